@@ -1,0 +1,93 @@
+"""Typed error hierarchy: every refusal of the store is a ``KVStoreError``.
+
+Messages name the offending values and the rule broken, e.g.
+``EntitlementExceeded: seq=7 pool=main needs 18 pages, entitlement is 16 (spec §8.1)``.
+A refused command leaves the state digest unchanged (commands plan fully, then emit).
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error ninfer-kv raises on bad input or an impossible request."""
+
+
+# --- configuration / planning (spec §3, §4) ---------------------------------------------------
+class ConfigError(KVStoreError):
+    """A model or serving geometry that breaks a rule of the contract."""
+
+
+class UnknownProfile(ConfigError):
+    """A KV profile name outside the five closed profiles (spec §3.1)."""
+
+
+class CapacityError(ConfigError):
+    """A capacity request outside [M_min, M_max] or a device budget below B_min (spec §3.2)."""
+
+
+# --- journal ------------------------------------------------------------------------------------
+class JournalError(KVStoreError):
+    """The journal cannot accept or return records."""
+
+
+class JournalCorrupt(JournalError):
+    """Damage in the middle of the log: a bad record followed by a good one."""
+
+    def __init__(self, segment: int, offset: int, reason: str) -> None:
+        super().__init__(f"journal corrupt in segment {segment} at byte {offset}: {reason}")
+        self.segment = segment
+        self.offset = offset
+        self.reason = reason
+
+
+class JournalFailed(JournalError):
+    """An earlier write or fsync failed; the log refuses every further append."""
+
+
+class SchemaVersionError(JournalError):
+    """A segment written by a newer major schema version than this reader understands."""
+
+
+# --- engine state (spec §5-§9) ------------------------------------------------------------------
+class StateError(KVStoreError):
+    """A command that is not valid in the current logical state."""
+
+
+class UnknownHandle(StateError):
+    """A sequence, checkpoint or page handle that does not exist."""
+
+
+class StaleHandle(StateError):
+    """A page handle whose generation no longer matches its slot (spec §5.1)."""
+
+
+class FrontierError(StateError):
+    """A frontier beyond membership, behind the protected frontier, or otherwise out of range."""
+
+
+class EntitlementExceeded(StateError):
+    """ensure_mapped would need more pages than the address space's entitlement (spec §8.1)."""
+
+
+class CapacityExhausted(StateError):
+    """Not enough available page groups or execution rows in a pool to reserve (spec §5.2, §7.2)."""
+
+
+class FrozenUnit(StateError):
+    """A mutation of tables, memberships or frontiers while a GPU unit is in flight (spec §8.4)."""
+
+
+class InactiveSpace(StateError):
+    """A write/commit on an address space that is not active."""
+
+
+class WritePermissionError(StateError):
+    """A write into a shared, protected or pinned page (spec §9.4)."""
+
+
+class HostArenaError(StateError):
+    """The host arena cannot place a recipe of extents (spec §5.3)."""
+
+
+class InjectedFault(KVStoreError):
+    """Raised by the fault-injection hook in tests; never in production paths."""

@@ -1,0 +1,49 @@
+"""The ``ninfer-kv`` command line. Every command has ``--help`` and ``--json``.
+
+Errors of the store (``KVStoreError``) become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from ninfer_kv.errors import KVStoreError
+
+Handler = Callable[[argparse.Namespace, Console], int]
+_COMMANDS: dict[str, Handler] = {}
+
+
+def emit_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, indent=None, sort_keys=False, default=str) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ninfer_kv.tools import plan_cmd
+
+    parser = argparse.ArgumentParser(prog="ninfer-kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (plan_cmd,):
+        name, handler = module.register(sub)
+        _COMMANDS[name] = handler
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        return _COMMANDS[args.command](args, console)
+    except KVStoreError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False,
+                                   soft_wrap=True)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
