@@ -1,1 +1,45 @@
-"""ninfer-kv."""
+"""ninfer-kv: an event-sourced KV-cache storage layer for LLM inference engines.
+
+The public API is re-exported lazily so that ``import ninfer_kv.journal`` stays light (no torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+if not structlog.is_configured():
+    # Library default: key-value lines on stderr (never stdout: CLI --json owns it), level from
+    # NINFER_KV_LOG (default warning). An application that configures structlog itself wins.
+    _level = getattr(logging, os.environ.get("NINFER_KV_LOG", "warning").upper(), logging.WARNING)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(_level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+_EXPORTS = {
+    "KVStore": "ninfer_kv.engine.store",
+    "StoreConfig": "ninfer_kv.engine.store",
+    "KVStoreError": "ninfer_kv.errors",
+    "Journal": "ninfer_kv.journal.log",
+    "JournalReader": "ninfer_kv.journal.reader",
+    "Profile": "ninfer_kv.engine.layout",
+    "PoolKind": "ninfer_kv.engine.layout",
+    "ModelGeometry": "ninfer_kv.engine.capacity",
+    "ServingConfig": "ninfer_kv.engine.capacity",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ninfer_kv' has no attribute {name!r}")

@@ -1,0 +1,180 @@
+"""Engine events: one msgspec tagged union, array-valued on the hot path.
+
+Every event carries every choice a command made (page ids, slots, rows), so ``apply`` never
+chooses and replay needs no allocator policy. Hot-path events hold int arrays packed as
+little-endian int32 ``bytes`` (see :func:`pack` / :func:`unpack`): a decode round over 256
+sequences is one ``CommitFrontiers`` event, not 256 objects on the wire.
+
+Schema evolution (also in docs/journal-format.md): ``SCHEMA = (major, minor)`` is written into
+every segment header. Within a major version only new optional trailing fields (with defaults)
+and new tags may be added (bump minor). Anything else is a new major version, which older
+readers refuse with ``SchemaVersionError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+SCHEMA: tuple[int, int] = (1, 0)
+
+I32 = np.dtype("<i4")
+
+
+def pack(values: Any) -> bytes:
+    """int sequence / array -> little-endian int32 bytes."""
+    return np.asarray(values, dtype=I32).tobytes()
+
+
+def unpack(b: bytes | memoryview) -> np.ndarray:
+    """little-endian int32 bytes -> read-only int32 array (zero-copy)."""
+    return np.frombuffer(b, dtype=I32)
+
+
+class _Event(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="t"):
+    pass
+
+
+# --- activation / termination ------------------------------------------------------------------
+class Activate(_Event, tag="act"):
+    """Create the active address space of ``bundle`` in ``pool``: reserve ``entitlement``
+    pages (spec §6.2) and lease execution row ``row`` (spec §7.2)."""
+
+    bundle: int
+    pool: str
+    entitlement: int
+    row: int
+
+
+class PublishActive(_Event, tag="pub"):
+    """The bundle's spaces in every enabled pool are complete: publish Active (spec §7.3)."""
+
+    bundle: int
+
+
+class Finish(_Event, tag="fin"):
+    """Leave execution (spec §8.3): release the row, drop the writer and active references,
+    release the unmaterialized entitlement; then retain as an immutable inactive checkpoint
+    (protected frontier = committed frontier) or release every membership."""
+
+    bundle: int
+    pool: str
+    retain: bool
+    reason: str = "stop"
+
+
+class Release(_Event, tag="rel"):
+    """Drop an inactive checkpoint's references; leases free with their last reference."""
+
+    bundle: int
+    pool: str
+
+
+# --- mapping and frontiers (hot path) ------------------------------------------------------------
+class Materialize(_Event, tag="mat"):
+    """For each i: a new private LogicalKVPage at ``slots[i]`` with device lease ``pages[i]``,
+    appended to the membership of ``bundles[i]``; one reserved page becomes a lease (§5.2)."""
+
+    pool: str
+    bundles: bytes
+    slots: bytes
+    pages: bytes
+
+
+class CommitFrontiers(_Event, tag="commit"):
+    """Advance the committed frontier of each ``bundles[i]`` to ``frontiers[i]`` (§8.1)."""
+
+    pool: str
+    bundles: bytes
+    frontiers: bytes
+
+
+class ProvisionalFrontiers(_Event, tag="prov"):
+    """Set the provisional (speculative) frontier; it never counts as committed (§10)."""
+
+    pool: str
+    bundles: bytes
+    frontiers: bytes
+
+
+class Trim(_Event, tag="trim"):
+    """Unmap trailing pages beyond ``keep`` pages; leases go back to the same reservation."""
+
+    bundle: int
+    pool: str
+    keep: int
+
+
+class Grow(_Event, tag="grow"):
+    """kv_lease_growth: add ``pages[i]`` to the entitlement of ``bundles[i]`` (§6.2)."""
+
+    pool: str
+    bundles: bytes
+    pages: bytes
+
+
+# --- continuation (Move / Fork / COW, spec §7.3, §9) ---------------------------------------------
+class Move(_Event, tag="move"):
+    """Move the membership of inactive ``src`` into active ``dst`` (no copy, same pages)."""
+
+    src: int
+    dst: int
+    pool: str
+    frontier: int
+
+
+class Fork(_Event, tag="fork"):
+    """``dst`` gains an immutable reference to the first ``full_pages`` pages of ``src``."""
+
+    src: int
+    dst: int
+    pool: str
+    full_pages: int
+    frontier: int
+
+
+class CopyTail(_Event, tag="cow"):
+    """Private COW tail: new page ``slot``/``page`` in ``dst`` whose first ``columns`` columns
+    are copied from ``src_page`` (device effect at the boundary, before table publication)."""
+
+    dst: int
+    pool: str
+    slot: int
+    page: int
+    src_slot: int
+    src_page: int
+    columns: int
+
+
+Event = (Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
+         | ProvisionalFrontiers | Trim | Grow | Move | Fork | CopyTail)
+
+
+class EventCodec:
+    """msgpack list-of-events payload codec for :class:`~ninfer_kv.journal.log.Journal`."""
+
+    schema = SCHEMA
+
+    def __init__(self, event_type: Any = Event) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(list[event_type])
+
+    def encode(self, events: list[Any]) -> bytes:
+        return self._enc.encode(events)
+
+    def decode(self, payload: bytes | memoryview) -> list[Any]:
+        return self._dec.decode(payload)
+
+
+def to_jsonable(event: Any) -> dict[str, Any]:
+    """One event as a plain dict for NDJSON: tag first, packed arrays as int lists."""
+    out: dict[str, Any] = {"type": type(event).__struct_config__.tag}
+    for name in event.__struct_fields__:
+        v = getattr(event, name)
+        out[name] = unpack(v).tolist() if isinstance(v, bytes) else v
+    return out
+
+
+CODEC = EventCodec()

@@ -1,0 +1,219 @@
+"""The segmented append-only log: one framed record per GPU boundary (group commit).
+
+Format and recovery rules: docs/journal-format.md. Invariants this class keeps:
+
+* records carry seq 1, 2, 3, ... with no gap; each record names the CRC of the one before it;
+* a record is written with one ``write`` call, after the previous record's write completed;
+* ``durable_seq`` only grows, and only after an fsync that covered it returned;
+* after any failed write or fsync the log is *failed*: it refuses every further append and
+  sync (never retry and carry on: the kernel may have dropped the dirty pages already).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from ninfer_kv.errors import JournalError, JournalFailed
+from ninfer_kv.journal.format import (
+    FRAME_OVERHEAD,
+    SegmentHeader,
+    pack_record,
+    pack_snapshot,
+    segment_name,
+    snapshot_name,
+)
+from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile
+from ninfer_kv.journal.recovery import ScanResult, list_segments, list_snapshots, scan
+
+log = structlog.get_logger(__name__)
+
+
+class SyncPolicy(enum.StrEnum):
+    OFF = "off"            # write only: survives a process crash, not a power loss
+    COMMIT = "commit"      # fsync every record before append() returns
+    INTERVAL = "interval"  # fsync at most every interval_ms (checked at append), and on sync()
+
+
+class PayloadCodec(Protocol):
+    schema: tuple[int, int]
+
+    def encode(self, events: list[Any]) -> bytes: ...
+    def decode(self, payload: bytes | memoryview) -> list[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class JournalOptions:
+    sync: SyncPolicy = SyncPolicy.COMMIT
+    interval_ms: float = 10.0
+    segment_bytes: int = 64 << 20
+    keep_snapshots: int = 2
+    salvage: bool = False
+
+
+class Journal:
+    """Append side of one journal directory. Open with :meth:`open` (which recovers first)."""
+
+    def __init__(self, directory: str, codec: PayloadCodec, options: JournalOptions,
+                 fs: FileSystem, scan_result: ScanResult,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.directory = directory
+        self.codec = codec
+        self.options = options
+        self.fs = fs
+        self.recovery = scan_result
+        self._clock = clock
+        self.last_seq = scan_result.last_seq
+        self.last_crc = scan_result.last_crc
+        self.durable_seq = scan_result.last_seq  # open() synced everything it kept
+        self.bytes_written = 0
+        self._failed: str | None = None
+        self._file: WritableFile | None = None
+        self._seg_no = max((n for n, _ in list_segments(directory, fs)), default=0)
+        self._seg_records = 0
+        self._salt = 0
+        self._last_sync = clock()
+        self._start_segment()
+
+    @classmethod
+    def open(cls, directory: str, codec: PayloadCodec, options: JournalOptions | None = None,
+             fs: FileSystem = OS_FS) -> Journal:
+        options = options or JournalOptions()
+        fs.makedirs(directory)
+        for name in fs.listdir(directory):
+            if name.endswith(".tmp"):
+                fs.remove(os.path.join(directory, name))
+        res = scan(directory, schema_major=codec.schema[0], fs=fs, salvage=options.salvage)
+        if res.segments:  # make what recovery kept durable before a later segment exists
+            f = fs.open_append(res.segments[-1].path)
+            f.fsync()
+            f.close()
+        return cls(directory, codec, options, fs, res)
+
+    # --- segments ---------------------------------------------------------------------------
+    def _start_segment(self) -> None:
+        self._seg_no += 1
+        self._salt = random.getrandbits(32)
+        hdr = SegmentHeader(self.codec.schema[0], self.codec.schema[1], self._seg_no, self._salt,
+                            self.last_seq + 1, self.last_crc)
+        final = os.path.join(self.directory, segment_name(self._seg_no))
+        try:
+            tmp = final + ".tmp"
+            f = self.fs.create(tmp)
+            f.write(hdr.pack())
+            f.fsync()
+            f.close()
+            self.fs.rename(tmp, final)
+            self.fs.fsync_dir(self.directory)
+            self._file = self.fs.open_append(final)
+        except OSError as exc:
+            self._fail(f"creating segment {self._seg_no}: {exc}")
+        self._seg_records = 0
+        log.debug("journal.segment", segment=self._seg_no, first_seq=self.last_seq + 1)
+
+    def _fail(self, why: str) -> None:
+        self._failed = why
+        log.error("journal.failed", reason=why)
+        raise JournalFailed(f"journal {self.directory} failed and refuses appends: {why}")
+
+    def _check(self) -> WritableFile:
+        if self._failed is not None:
+            raise JournalFailed(f"journal {self.directory} failed earlier: {self._failed}")
+        if self._file is None:
+            raise JournalError(f"journal {self.directory} is closed")
+        return self._file
+
+    # --- appends ----------------------------------------------------------------------------
+    def append(self, events: list[Any]) -> int:
+        """Append one record holding ``events``; returns its seq once the policy is met."""
+        return self.append_payload(self.codec.encode(events))
+
+    def append_payload(self, payload: bytes) -> int:
+        f = self._check()
+        if (self._seg_records and f.tell() + len(payload) + FRAME_OVERHEAD
+                > self.options.segment_bytes):
+            self.sync()
+            f.close()
+            self._start_segment()
+            f = self._check()
+        seq = self.last_seq + 1
+        frame, crc = pack_record(seq, self.last_crc, self._salt, self.durable_seq, payload)
+        try:
+            f.write(frame)
+        except OSError as exc:
+            self._fail(f"write of record {seq}: {exc}")
+        self.last_seq, self.last_crc = seq, crc
+        self._seg_records += 1
+        self.bytes_written += len(frame)
+        policy = self.options.sync
+        if policy is SyncPolicy.COMMIT or (
+                policy is SyncPolicy.INTERVAL
+                and (self._clock() - self._last_sync) * 1000.0 >= self.options.interval_ms):
+            self.sync()
+        return seq
+
+    def sync(self) -> int:
+        """fsync everything appended so far; returns the durable seq. Fatal on error."""
+        f = self._check()
+        if self.durable_seq == self.last_seq:
+            return self.durable_seq
+        try:
+            f.fsync()
+        except OSError as exc:
+            self._fail(f"fsync through record {self.last_seq}: {exc}")
+        self.durable_seq = self.last_seq
+        self._last_sync = self._clock()
+        return self.durable_seq
+
+    def close(self) -> None:
+        if self._file is not None and self._failed is None:
+            self.sync()
+            self._file.close()
+        self._file = None
+
+    # --- snapshots --------------------------------------------------------------------------
+    def write_snapshot(self, payload: bytes) -> str:
+        """Persist an engine state taken after record ``last_seq`` (log synced first)."""
+        self.sync()
+        path = os.path.join(self.directory, snapshot_name(self.last_seq))
+        tmp = path + ".tmp"
+        try:
+            f = self.fs.create(tmp)
+            f.write(pack_snapshot(self.codec.schema[0], self.last_seq, self.last_crc, payload))
+            f.fsync()
+            f.close()
+            self.fs.rename(tmp, path)
+            self.fs.fsync_dir(self.directory)
+        except OSError as exc:
+            self._fail(f"writing snapshot at seq {self.last_seq}: {exc}")
+        snaps = list_snapshots(self.directory, self.fs)
+        for _, old in snaps[:-self.options.keep_snapshots]:
+            self.fs.remove(old)
+        log.info("journal.snapshot", seq=self.last_seq, bytes=len(payload))
+        return path
+
+    def compact(self) -> int:
+        """Remove segments wholly covered by the oldest kept snapshot; returns how many."""
+        snaps = list_snapshots(self.directory, self.fs)
+        if not snaps:
+            return 0
+        oldest = snaps[0][0]
+        segs = list_segments(self.directory, self.fs)
+        removed = 0
+        for (_, path), (_, nxt) in zip(segs, segs[1:], strict=False):
+            first_next = SegmentHeader.parse(self.fs.read(nxt))
+            if isinstance(first_next, SegmentHeader) and first_next.first_seq - 1 <= oldest:
+                self.fs.remove(path)
+                removed += 1
+            else:
+                break
+        if removed:
+            self.fs.fsync_dir(self.directory)
+        return removed

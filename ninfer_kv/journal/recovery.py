@@ -1,0 +1,233 @@
+"""Scan a journal directory: accept the longest valid prefix, cut a torn tail, refuse
+mid-log corruption, find the newest valid snapshot. Rules: docs/journal-format.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import structlog
+
+from ninfer_kv.errors import JournalCorrupt, SchemaVersionError
+from ninfer_kv.journal.format import (
+    FRAME_OVERHEAD,
+    FRAME_SIZE,
+    SEG_HEADER_SIZE,
+    SEG_RE,
+    SNAP_RE,
+    Frame,
+    SegmentHeader,
+    Snapshot,
+    parse_frame,
+    parse_snapshot,
+)
+from ninfer_kv.journal.fs import OS_FS, FileSystem
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    segment: int
+    offset: int
+    bytes_cut: int
+    reason: str
+
+
+@dataclass(slots=True)
+class SegmentScan:
+    number: int
+    path: str
+    header: SegmentHeader
+    frames: list[Frame]
+    data: bytes
+
+
+@dataclass(slots=True)
+class ScanResult:
+    segments: list[SegmentScan] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)
+    last_seq: int = 0
+    last_crc: int = 0
+    salvaged: bool = False
+
+    @property
+    def records(self) -> int:
+        return sum(len(s.frames) for s in self.segments)
+
+    @property
+    def first_seq(self) -> int:
+        return self.segments[0].header.first_seq if self.segments else 1
+
+
+def list_segments(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, str]]:
+    out = []
+    for name in fs.listdir(directory):
+        m = SEG_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(out)
+
+
+def _later_valid(buf: bytes, start: int, salt: int) -> Frame | None:
+    """The first CRC-valid frame with this salt at any byte offset >= start."""
+    salt_bytes = salt.to_bytes(4, "little")
+    pos = start
+    while True:
+        i = buf.find(salt_bytes, pos + 16)  # the salt sits at frame offset 16
+        if i < 0:
+            return None
+        cand = i - 16
+        f = parse_frame(buf, cand)
+        if isinstance(f, Frame) and f.salt == salt:
+            return f
+        pos = cand + 1
+
+
+def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: bool = True,
+         salvage: bool = False) -> ScanResult:
+    """Validate every segment in order. With ``repair`` the torn tail is cut on disk."""
+    res = ScanResult()
+    segs = list_segments(directory, fs)
+    expect_seq, chain = 1, 0
+    for idx, (num, path) in enumerate(segs):
+        data = fs.read(path)
+        hdr = SegmentHeader.parse(data)
+        is_last = idx == len(segs) - 1
+        if isinstance(hdr, str):
+            if is_last and len(data) <= SEG_HEADER_SIZE:
+                res.cuts.append(Cut(num, 0, len(data), f"torn segment creation: {hdr}"))
+                if repair:
+                    fs.remove(path)
+                break
+            raise JournalCorrupt(num, 0, hdr)
+        if hdr.schema_major > schema_major:
+            raise SchemaVersionError(f"segment {num} was written with event schema "
+                                     f"{hdr.schema_major}.{hdr.schema_minor}; this reader "
+                                     f"understands major {schema_major} only")
+        if not res.segments and hdr.first_seq != 1:  # compacted: the chain starts here
+            expect_seq, chain = hdr.first_seq, hdr.prev_crc
+        if hdr.first_seq != expect_seq or hdr.prev_crc != chain:
+            raise JournalCorrupt(num, 0, f"segment starts at seq {hdr.first_seq} (chain "
+                                 f"{hdr.prev_crc:#x}); expected seq {expect_seq} (chain {chain:#x})")
+        frames: list[Frame] = []
+        off = SEG_HEADER_SIZE
+        bad: str | None = None
+        while off < len(data):
+            f = parse_frame(data, off)
+            if isinstance(f, str):
+                bad = f
+            elif f.salt != hdr.salt:
+                bad = f"salt {f.salt:#x} != segment salt {hdr.salt:#x}"
+            elif f.seq != expect_seq:
+                bad = f"seq {f.seq}, expected {expect_seq}"
+            elif f.prev_crc != chain:
+                bad = f"chain broken: prev_crc {f.prev_crc:#x} != {chain:#x}"
+            if bad is not None:
+                break
+            frames.append(f)
+            expect_seq, chain, off = f.seq + 1, f.crc, f.end
+        res.segments.append(SegmentScan(num, path, hdr, frames, data))
+        if bad is None:
+            continue
+        _judge_damage(res, segs[idx:], data, off, hdr, expect_seq, bad, fs, salvage)
+        if repair:
+            fs.truncate(path, off)
+            for _, later in segs[idx + 1:]:
+                fs.remove(later)
+        res.segments[-1].data = data[:off]
+        break
+    res.last_seq, res.last_crc = expect_seq - 1, chain
+    for c in res.cuts:
+        log.warning("journal.cut", segment=c.segment, offset=c.offset, bytes=c.bytes_cut,
+                    reason=c.reason)
+    return res
+
+
+def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off: int,
+                  hdr: SegmentHeader, expect_seq: int, reason: str, fs: FileSystem,
+                  salvage: bool) -> None:
+    """Torn tail (cut) or mid-log corruption (raise), by the durable_seq of later records."""
+    num = rest[0][0]
+    later = _later_valid(data, off + 1, hdr.salt)
+    durable_later = later is not None and later.durable_seq >= expect_seq
+    # A later segment is created only after this one was fsynced (rotation and reopen both
+    # sync first), so a later segment with a valid header proves the damaged bytes were durable.
+    if any(not isinstance(SegmentHeader.parse(fs.read(p)), str) for _, p in rest[1:]):
+        durable_later = True
+    if durable_later and not salvage:
+        raise JournalCorrupt(num, off, f"{reason}; a later record proves seq {expect_seq} "
+                             "had been made durable")
+    res.salvaged = durable_later
+    cut = len(data) - off + sum(len(fs.read(p)) for _, p in rest[1:])
+    res.cuts.append(Cut(num, off, cut, ("salvage: " if durable_later else "torn tail: ") + reason))
+
+
+def iter_frames(result: ScanResult, from_seq: int = 0) -> Iterator[tuple[Frame, memoryview]]:
+    """(frame, payload view) for every accepted record with seq >= from_seq."""
+    for seg in result.segments:
+        if seg.frames and seg.frames[-1].seq < from_seq:
+            continue
+        view = memoryview(seg.data)
+        for f in seg.frames:
+            if f.seq >= from_seq:
+                yield f, view[f.payload_slice]
+
+
+# --- snapshots ----------------------------------------------------------------------------------
+def list_snapshots(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, str]]:
+    out = []
+    for name in fs.listdir(directory):
+        m = SNAP_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(out)
+
+
+def newest_snapshot(directory: str, last_seq: int, schema_major: int,
+                    fs: FileSystem = OS_FS) -> tuple[Snapshot | None, list[str]]:
+    """The newest valid snapshot not beyond the log's end, and why newer ones were skipped."""
+    skipped: list[str] = []
+    for seq, path in reversed(list_snapshots(directory, fs)):
+        snap = parse_snapshot(fs.read(path))
+        if isinstance(snap, str):
+            skipped.append(f"{os.path.basename(path)}: {snap}")
+        elif snap.seq != seq or snap.seq > last_seq:
+            skipped.append(f"{os.path.basename(path)}: seq {snap.seq} beyond log end {last_seq}")
+        elif snap.schema_major > schema_major:
+            skipped.append(f"{os.path.basename(path)}: schema major {snap.schema_major}")
+        else:
+            return snap, skipped
+    return None, skipped
+
+
+S = TypeVar("S")
+
+
+def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S],
+                     load_snapshot: Callable[[bytes], S],
+                     apply_record: Callable[[S, int, memoryview], None],
+                     fs: FileSystem = OS_FS, salvage: bool = False,
+                     scan_result: ScanResult | None = None) -> tuple[S, int, ScanResult]:
+    """Newest valid snapshot + replay of the tail. Returns (state, last seq, scan)."""
+    res = scan_result or scan(directory, schema_major=schema_major, fs=fs, salvage=salvage)
+    snap, skipped = newest_snapshot(directory, res.last_seq, schema_major, fs)
+    for why in skipped:
+        log.warning("journal.snapshot_skipped", reason=why)
+    if snap is not None:
+        state, start = load_snapshot(snap.payload), snap.seq + 1
+    else:
+        if res.first_seq != 1:
+            raise JournalCorrupt(res.segments[0].number, 0, "log was compacted to seq "
+                                 f"{res.first_seq} but no valid snapshot covers it")
+        state, start = initial(), 1
+    for f, payload in iter_frames(res, start):
+        apply_record(state, f.seq, payload)
+    return state, res.last_seq, res
+
+
+__all__ = ["FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "iter_frames", "list_segments",
+           "list_snapshots", "newest_snapshot", "recover_state", "scan"]
