@@ -37,6 +37,23 @@ class _Event(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="
     pass
 
 
+# --- configuration ---------------------------------------------------------------------------
+class PoolSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    name: str
+    capacity: int
+    rows: int
+    logical_pages: int
+    page_bytes: int
+
+
+class Configure(_Event, tag="cfg"):
+    """First event of a journal: the pool set fixed at startup (spec §3.3) and the plan it came
+    from (``plan`` is ``CapacityPlan.to_dict()``, kept for tools)."""
+
+    pools: list[PoolSpec]
+    plan: dict[str, Any]
+
+
 # --- activation / termination ------------------------------------------------------------------
 class Activate(_Event, tag="act"):
     """Create the active address space of ``bundle`` in ``pool``: reserve ``entitlement``
@@ -107,6 +124,15 @@ class Trim(_Event, tag="trim"):
     keep: int
 
 
+class Truncate(_Event, tag="trunc"):
+    """Move the committed frontier back to ``frontier`` (>= protected); the provisional frontier
+    follows; the tail page's committed columns shrink and its content epoch advances."""
+
+    bundle: int
+    pool: str
+    frontier: int
+
+
 class Grow(_Event, tag="grow"):
     """kv_lease_growth: add ``pages[i]`` to the entitlement of ``bundles[i]`` (§6.2)."""
 
@@ -148,8 +174,8 @@ class CopyTail(_Event, tag="cow"):
     columns: int
 
 
-Event = (Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
-         | ProvisionalFrontiers | Trim | Grow | Move | Fork | CopyTail)
+Event = (Configure | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
+         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail)
 
 
 class EventCodec:

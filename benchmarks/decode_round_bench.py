@@ -1,0 +1,95 @@
+"""Decode-round cost of the store: C active sequences decoding one token per round.
+
+Per round: ensure_mapped_many -> boundary (journal record + table-slice writes) -> commit_many.
+Prints ns per request-step for the batched path with the journal off and on (sync off), their
+ratio, and a per-sequence (unbatched) loop for comparison. Measures; asserts nothing.
+
+    python benchmarks/decode_round_bench.py [--seqs 256] [--rounds 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
+from ninfer_kv.engine.store import KVStore, StoreConfig
+from ninfer_kv.journal.log import SyncPolicy
+
+PROMPT = 100
+
+
+def open_store(seqs: int, rounds: int, journal_dir: str | None) -> tuple[KVStore, np.ndarray]:
+    ctx = PROMPT + rounds
+    serving = ServingConfig(max_context=ctx, max_concurrency=seqs)
+    pages = seqs * -(-ctx // 64)
+    cfg = StoreConfig(model=ModelGeometry(layers=1, kv_heads=1, head_dim=64),
+                      serving=serving, kv_tokens=pages * 64, journal_dir=journal_dir,
+                      sync=SyncPolicy.OFF, allocate_planes=False)
+    store = KVStore.open(cfg)
+    ids = np.array([store.activate(PROMPT, rounds) for _ in range(seqs)])
+    store.ensure_mapped_many("main", ids, [PROMPT] * seqs)
+    with store.boundary():
+        pass
+    store.commit_many("main", ids, [PROMPT] * seqs)
+    return store, ids
+
+
+def run_batched(store: KVStore, ids: np.ndarray, rounds: int) -> float:
+    frontier = np.full(len(ids), PROMPT)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        store.ensure_mapped_many("main", ids, frontier + 1)
+        with store.boundary():
+            pass  # the GPU unit would run here
+        frontier += 1
+        store.commit_many("main", ids, frontier)
+    return time.perf_counter() - t0
+
+
+def run_unbatched(store: KVStore, ids: np.ndarray, rounds: int) -> float:
+    seqs = ids.tolist()
+    frontier = [PROMPT] * len(seqs)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for i, b in enumerate(seqs):
+            store.ensure_mapped(b, "main", frontier[i] + 1)
+        with store.boundary():
+            pass
+        for i, b in enumerate(seqs):
+            frontier[i] += 1
+            store.commit(b, "main", frontier[i])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=4096)
+    a = ap.parse_args()
+    steps = a.seqs * a.rounds
+    store, ids = open_store(a.seqs, a.rounds, None)
+    t_off = run_batched(store, ids, a.rounds)
+    store.check_invariants()
+    with tempfile.TemporaryDirectory() as d:
+        store, ids = open_store(a.seqs, a.rounds, d)
+        t_on = run_batched(store, ids, a.rounds)
+        jbytes = store.journal.bytes_written if store.journal else 0
+        store.check_invariants()
+        store.close()
+    store, ids = open_store(a.seqs, a.rounds // 8, None)
+    t_one = run_unbatched(store, ids, a.rounds // 8)
+    print(f"C={a.seqs} sequences x {a.rounds} rounds = {steps:,} request-steps "
+          f"({a.seqs * (a.rounds // 64 + 1):,} page crossings)")
+    print(f"batched, journal off        : {t_off / steps * 1e9:8.0f} ns/request-step")
+    print(f"batched, journal on (sync=off): {t_on / steps * 1e9:8.0f} ns/request-step  "
+          f"(ratio on/off {t_on / t_off:.2f}; {jbytes / steps:.1f} journal bytes/step)")
+    print(f"unbatched, journal off      : {t_one / (steps // 8) * 1e9:8.0f} ns/request-step  "
+          f"(ratio unbatched/batched {t_one / (steps // 8) / (t_off / steps):.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""``apply(state, event)``: the only code that mutates a ``StoreState``.
+
+It is pure bookkeeping and never chooses: every page id, slot and row is in the event. The
+commands in ``store.py`` validate everything before they emit, so an event that reaches here is
+valid; the asserts below guard the replay of a foreign or damaged journal, not normal use.
+Replay (``ninfer_kv.replay``) calls this function unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
+from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.engine.state import StoreState
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import unpack
+
+
+def apply(st: StoreState, event: Any) -> None:
+    _HANDLERS[type(event)](st, event)
+
+
+def apply_all(st: StoreState, events: list[Any]) -> None:
+    h = _HANDLERS
+    for e in events:
+        h[type(e)](st, e)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
+    if slot == len(pool.pages):
+        pool.pages.append(None)
+        pool.gens.append(0)
+    else:
+        pool.free_slots.remove(slot)
+    assert pool.pages[slot] is None, f"slot {slot} of {pool.name} is live"
+    page = LogicalKVPage(slot, pool.gens[slot], device, writer, True)
+    pool.pages[slot] = page
+    if device != NO_PAGE:
+        pool.free_pages.remove(device)
+    return page
+
+
+def _maybe_free(pool: PoolState, page: LogicalKVPage) -> None:
+    """Recycle the slot when references, replicas and pins are all zero (§5.3)."""
+    if page.refs == 0 and page.pins == 0:
+        if page.device != NO_PAGE:
+            pool.free_pages.add(page.device)
+            page.device = NO_PAGE
+        if page.host is None:
+            pool.pages[page.slot] = None
+            pool.gens[page.slot] += 1
+            pool.free_slots.add(page.slot)
+
+
+def _unref(pool: PoolState, slot: int, bundle: int, active: bool) -> None:
+    page = pool.pages[slot]
+    assert page is not None
+    page.refs -= 1
+    if active:
+        page.active_refs -= 1
+        if page.writer == bundle:
+            page.writer = NO_PAGE
+    _maybe_free(pool, page)
+
+
+def _set_committed(pool: PoolState, sp: KVAddressSpace, frontier: int) -> None:
+    """Pages from the old frontier's block to the new one get their committed columns."""
+    pages, members = pool.pages, sp.members
+    lo = sp.committed // P
+    hi = (frontier + P - 1) // P
+    for b in range(lo, hi):
+        cols = frontier - b * P
+        page = pages[members[b]]
+        page.committed = P if cols > P else cols  # type: ignore[union-attr]
+    sp.committed = frontier
+
+
+# --- handlers -----------------------------------------------------------------------------------
+def _configure(st: StoreState, e: ev.Configure) -> None:
+    assert not st.pools, "journal configured twice"
+    st.plan = dict(e.plan)
+    st.pool_specs = list(e.pools)
+    for spec in e.pools:
+        st.pools[spec.name] = PoolState(spec.name, spec.capacity, spec.rows, spec.logical_pages)
+
+
+def _activate(st: StoreState, e: ev.Activate) -> None:
+    pool = st.pools[e.pool]
+    assert e.bundle not in pool.spaces
+    pool.spaces[e.bundle] = KVAddressSpace(e.bundle, e.pool, e.entitlement, e.row)
+    pool.reserved += e.entitlement
+    pool.free_rows.remove(e.row)
+    pool.row_owner[e.row] = e.bundle
+    b = st.bundles.get(e.bundle)
+    if b is None:
+        st.bundles[e.bundle] = SequenceKVBundle(e.bundle, (e.pool,))
+    else:
+        b.pools = (*b.pools, e.pool)
+    if e.bundle >= st.next_bundle:
+        st.next_bundle = e.bundle + 1
+
+
+def _publish(st: StoreState, e: ev.PublishActive) -> None:
+    st.bundles[e.bundle].active = True
+
+
+def _materialize(st: StoreState, e: ev.Materialize) -> None:
+    pool = st.pools[e.pool]
+    spaces = pool.spaces
+    for b, slot, dev in zip(unpack(e.bundles).tolist(), unpack(e.slots).tolist(),
+                            unpack(e.pages).tolist(), strict=True):
+        sp = spaces[b]
+        _new_page(pool, slot, dev, b)
+        sp.members.append(slot)
+        pool.reserved -= 1
+
+
+def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
+    pool = st.pools[e.pool]
+    spaces, pages = pool.spaces, pool.pages
+    for b, f in zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True):
+        sp = spaces[b]
+        blk = (f - 1) // P
+        if sp.committed // P == blk:  # the decode case: columns grow inside one page
+            pages[sp.members[blk]].committed = f - blk * P  # type: ignore[union-attr]
+            sp.committed = f
+        else:
+            _set_committed(pool, sp, f)
+
+
+def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
+    spaces = st.pools[e.pool].spaces
+    for b, f in zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True):
+        spaces[b].provisional = f
+
+
+def _truncate(st: StoreState, e: ev.Truncate) -> None:
+    pool = st.pools[e.pool]
+    sp = pool.spaces[e.bundle]
+    f = e.frontier
+    for b in range(f // P, (sp.committed + P - 1) // P):
+        page = pool.pages[sp.members[b]]
+        assert page is not None
+        cols = max(0, f - b * P)
+        if cols < page.committed:
+            page.committed = cols
+            page.epoch += 1  # the canonical content of these columns may now change
+    sp.committed = f
+    sp.provisional = min(sp.provisional, f)
+
+
+def _trim(st: StoreState, e: ev.Trim) -> None:
+    pool = st.pools[e.pool]
+    sp = pool.spaces[e.bundle]
+    dropped = sp.members[e.keep:]
+    del sp.members[e.keep:]
+    for slot in dropped:
+        _unref(pool, slot, e.bundle, sp.active)
+    if sp.active:
+        pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
+
+
+def _grow(st: StoreState, e: ev.Grow) -> None:
+    pool = st.pools[e.pool]
+    for b, n in zip(unpack(e.bundles).tolist(), unpack(e.pages).tolist(), strict=True):
+        pool.spaces[b].entitlement += n
+        pool.reserved += n
+
+
+def _finish(st: StoreState, e: ev.Finish) -> None:
+    pool = st.pools[e.pool]
+    sp = pool.spaces[e.bundle]
+    pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
+    del pool.row_owner[sp.row]
+    pool.free_rows.add(sp.row)
+    sp.row = NO_ROW
+    sp.active = False
+    sp.entitlement = 0
+    bundle = st.bundles[e.bundle]
+    bundle.active = False
+    bundle.finish_reason = e.reason
+    pages = pool.pages
+    if e.retain:
+        sp.protected = sp.committed
+        sp.provisional = 0
+        for i, slot in enumerate(sp.members):
+            page = pages[slot]
+            assert page is not None
+            page.active_refs -= 1
+            if page.writer == e.bundle:
+                page.writer = NO_PAGE
+            cols = min(P, sp.committed - i * P)
+            if cols > page.protected:
+                page.protected = cols
+    else:
+        for slot in sp.members:
+            page = pages[slot]
+            assert page is not None
+            page.active_refs -= 1
+            if page.writer == e.bundle:
+                page.writer = NO_PAGE
+            page.refs -= 1
+            _maybe_free(pool, page)
+        _drop_space(st, pool, e.bundle)
+
+
+def _drop_space(st: StoreState, pool: PoolState, bundle: int) -> None:
+    del pool.spaces[bundle]
+    b = st.bundles[bundle]
+    b.pools = tuple(p for p in b.pools if p != pool.name)
+    if not b.pools:
+        del st.bundles[bundle]
+
+
+def _release(st: StoreState, e: ev.Release) -> None:
+    pool = st.pools[e.pool]
+    sp = pool.spaces[e.bundle]
+    for slot in sp.members:
+        _unref(pool, slot, e.bundle, False)
+    _drop_space(st, pool, e.bundle)
+
+
+def _move(st: StoreState, e: ev.Move) -> None:
+    """§9.1: the destination takes the source's pages up to the frontier; no copy, identity
+    kept. The source is private (every page has one reference) and does not survive, so no
+    protected coverage remains; pages past the frontier are released."""
+    pool = st.pools[e.pool]
+    src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    pages = pool.pages
+    keep = (e.frontier + P - 1) // P
+    for slot in src.members[keep:]:
+        _unref(pool, slot, e.src, False)
+    dst.members = src.members[:keep]
+    for i, slot in enumerate(dst.members):
+        page = pages[slot]
+        assert page is not None
+        page.active_refs += 1
+        page.protected = 0
+        cols = min(P, e.frontier - i * P)
+        if page.committed > cols:
+            page.committed = cols
+            page.epoch += 1
+        if cols < P:
+            page.writer = e.dst  # the single writer appends in the unprotected suffix
+    src.members = []
+    dst.committed = dst.provisional = e.frontier
+    dst.protected = 0
+    pool.reserved -= len(dst.members)
+    _drop_space(st, pool, e.src)
+    st.bundles[e.dst].parent = e.src
+
+
+def _fork(st: StoreState, e: ev.Fork) -> None:
+    """§9.2: the full pages before the frontier gain an immutable reference."""
+    pool = st.pools[e.pool]
+    src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    pages = pool.pages
+    shared = src.members[:e.full_pages]
+    for slot in shared:
+        page = pages[slot]
+        assert page is not None
+        page.refs += 1
+        page.active_refs += 1
+    dst.members = list(shared)
+    dst.committed = dst.provisional = e.full_pages * P
+    dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
+    pool.reserved -= len(shared)
+    st.bundles[e.dst].parent = e.src
+
+
+def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
+    """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
+    pool = st.pools[e.pool]
+    dst = pool.spaces[e.dst]
+    page = _new_page(pool, e.slot, e.page, e.dst)
+    page.committed = e.columns
+    dst.members.append(e.slot)
+    dst.committed = dst.provisional = (len(dst.members) - 1) * P + e.columns
+    pool.reserved -= 1
+
+
+_HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
+    ev.Configure: _configure,
+    ev.Activate: _activate,
+    ev.PublishActive: _publish,
+    ev.Materialize: _materialize,
+    ev.CommitFrontiers: _commit,
+    ev.ProvisionalFrontiers: _provisional,
+    ev.Truncate: _truncate,
+    ev.Trim: _trim,
+    ev.Grow: _grow,
+    ev.Finish: _finish,
+    ev.Release: _release,
+    ev.Move: _move,
+    ev.Fork: _fork,
+    ev.CopyTail: _copy_tail,
+}

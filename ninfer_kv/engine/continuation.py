@@ -1,0 +1,155 @@
+"""Activation from a retained checkpoint: Move, Fork and the partial-tail COW (spec §7.3, §9).
+
+The caller names the checkpoint and the token frontier to continue from; the store decides Move
+or Fork from the real references (§7.3 last paragraph):
+
+* **Move** (§9.1) when the source is private — every page it would hand over has exactly one
+  reference, the checkpoint's own — and the caller does not keep the source. No copy; page
+  identity kept; the single writer appends in the unprotected suffix.
+* **Fork** (§9.2) otherwise: the full pages before the frontier gain an immutable reference; a
+  partial tail's committed columns are copied into a private page (COW, §9.3) whose device copy
+  runs at the boundary before the table publication.
+
+Planning walks the eight steps of §7.3 for every enabled pool before any event is emitted, so
+a failure at any step (including one injected through ``store.fault_hook``) leaves the prior
+state — digest, reservations, rows, pins — exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ninfer_kv.engine.layout import P, ceil_div
+from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.engine.state import StoreState
+from ninfer_kv.errors import CapacityExhausted, FrontierError, UnknownHandle, WritePermissionError
+from ninfer_kv.journal import events as ev
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
+"""The eight activation steps of spec §7.3, in order (fault-injection labels)."""
+
+
+def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, int],
+                  prompt_tokens: int, max_output_tokens: int, mode: str = "auto",
+                  keep_source: bool = True) -> int:
+    st = store.state
+    src_bundle = st.bundles.get(checkpoint)
+    if src_bundle is None or src_bundle.active:
+        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    if mode not in ("auto", "move", "fork"):
+        raise ValueError(f"mode must be auto, move or fork, not {mode!r}")
+    total = prompt_tokens + max_output_tokens
+    if total > store.plan.S:
+        raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} > "
+                            f"S={store.plan.S} (§3.2)")
+    hook = store.fault_hook or (lambda step, pool: None)
+    dst = st.next_bundle
+    plans: dict[str, dict[str, Any]] = {}
+    for pool in store.pools:                                    # 1. create / claim
+        hook("create", pool)
+        if pool not in src_bundle.pools:
+            raise UnknownHandle(f"checkpoint {checkpoint} has no address space in pool {pool}")
+        f = frontier if isinstance(frontier, int) else frontier[pool]
+        sp = st.pools[pool].spaces[checkpoint]
+        if not 0 <= f <= sp.committed:
+            raise FrontierError(f"checkpoint {checkpoint} pool {pool}: frontier {f} beyond its "
+                                f"committed frontier {sp.committed} (§9.2)")
+        if f > prompt_tokens:
+            raise FrontierError(f"frontier {f} > prompt_tokens {prompt_tokens}")
+        plans[pool] = {"frontier": f, "entitlement": store.entitlement_pages(pool, total)}
+    for pool, pl in plans.items():                              # 2. reserve
+        hook("reserve", pool)
+        p = st.pools[pool]
+        sp = p.spaces[checkpoint]
+        f = pl["frontier"]
+        span = ceil_div(f, P)
+        private = all(p.pages[s].refs == 1 for s in sp.members)  # type: ignore[union-attr]
+        move = mode == "move" or (mode == "auto" and not keep_source and private)
+        if move and not private:
+            shared = [s for s in sp.members if p.pages[s].refs > 1]  # type: ignore[union-attr]
+            raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} refused: "
+                                       f"pages {shared[:8]} still have surviving references (§9.1)")
+        if move and keep_source:
+            raise WritePermissionError(f"Move of checkpoint {checkpoint} refused: the caller keeps "
+                                       "the source, so it would survive (§9.1); use fork")
+        held = span if move else f // P
+        need = pl["entitlement"] - held
+        if need > p.available:
+            raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages, "
+                                    f"{p.available} available")
+        pl.update(move=move, held=held)
+    for pool, pl in plans.items():                              # 3. restore Host-only pages
+        hook("restore", pool)
+        p = st.pools[pool]
+        sp = p.spaces[checkpoint]
+        upto = pl["held"] + (0 if pl["move"] or pl["frontier"] % P == 0 else 1)
+        missing = [s for s in sp.members[:upto]
+                   if p.pages[s].device == NO_PAGE]  # type: ignore[union-attr]
+        if missing:
+            raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: pages {missing[:8]} have "
+                                "no device replica (restore them from the host tier first)")
+    cows: dict[str, tuple[int, int, int, int]] = {}
+    for pool, pl in plans.items():                              # 4/5. Move or Fork, COW tail
+        hook("move_fork", pool)
+        hook("cow", pool)
+        p = st.pools[pool]
+        f = pl["frontier"]
+        if not pl["move"] and f % P:
+            src_slot = p.spaces[checkpoint].members[f // P]
+            src_page = p.pages[src_slot].device  # type: ignore[union-attr]
+            cows[pool] = (p.pick_slots(1)[0], p.pick_pages(1)[0], src_slot, src_page)
+    rows = {}
+    for pool in plans:                                          # 6. lease rows
+        hook("rows", pool)
+        p = st.pools[pool]
+        if not p.free_rows:
+            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
+        rows[pool] = p.free_rows[0]
+    for pool in plans:                                          # 7/8. tables, publish
+        hook("tables", pool)
+        hook("publish", pool)
+    # --- everything is planned: emit -------------------------------------------------------------
+    events: list[Any] = []
+    for pool, pl in plans.items():
+        f = pl["frontier"]
+        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool]))
+        if pl["move"]:
+            events.append(ev.Move(checkpoint, dst, pool, f))
+        else:
+            events.append(ev.Fork(checkpoint, dst, pool, f // P, f))
+            if pool in cows:
+                slot, page, src_slot, src_page = cows[pool]
+                events.append(ev.CopyTail(dst, pool, slot, page, src_slot, src_page, f % P))
+    events.append(ev.PublishActive(dst))
+    if not keep_source and any(not pl["move"] for pl in plans.values()):
+        events.extend(ev.Release(checkpoint, pool) for pool, pl in plans.items()
+                      if not pl["move"])
+    store._emit(*events)
+    for e in events:
+        if isinstance(e, ev.CopyTail):
+            store._copies.append(e)
+            store.stats["cow_copies"] += 1
+    for pool in plans:
+        store._touch(pool, dst, 0)
+    return dst
+
+
+def unrecoverable_reason(st: StoreState, bundle: int) -> str | None:
+    """Why an inactive checkpoint cannot survive a restart (None = every page has a published,
+    epoch-matching host replica covering its committed columns, spec §5.1)."""
+    for pool in st.bundles[bundle].pools:
+        p = st.pools[pool]
+        for i, slot in enumerate(p.spaces[bundle].members):
+            pg = p.pages[slot]
+            assert pg is not None
+            if pg.host is None:
+                return f"pool {pool} block {i}: device-only page (no host replica)"
+            _, epoch, coverage, _ = pg.host
+            if epoch != pg.epoch or coverage < pg.committed:
+                return (f"pool {pool} block {i}: host replica epoch {epoch}/coverage {coverage} "
+                        f"does not match page epoch {pg.epoch}/committed {pg.committed}")
+    return None

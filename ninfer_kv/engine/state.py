@@ -1,0 +1,125 @@
+"""The store's whole logical state, its snapshot encoding and its digest.
+
+``StoreState`` is plain bookkeeping: pools, pages, address spaces, bundles. It holds no
+tensors, so replay rebuilds it on any machine. Only ``engine.apply.apply`` mutates it.
+
+The snapshot is a canonical msgspec encoding (every dict emitted in key order), so
+``digest()`` — a BLAKE2b of that encoding — is equal for live and replayed states and never
+depends on timings or on the order in which dicts were filled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+from sortedcontainers import SortedList
+
+from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
+from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.journal.events import PoolSpec
+
+
+class StoreState:
+    __slots__ = ("pools", "bundles", "next_bundle", "plan", "pool_specs", "seq")
+
+    def __init__(self) -> None:
+        self.pools: dict[str, PoolState] = {}
+        self.bundles: dict[int, SequenceKVBundle] = {}
+        self.next_bundle = 1
+        self.plan: dict[str, Any] = {}
+        self.pool_specs: list[PoolSpec] = []
+        self.seq = 0  # last journal record applied
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.pools)
+
+
+# --- snapshot ----------------------------------------------------------------------------------
+class _PoolSnap(msgspec.Struct, array_like=True, gc=False):
+    name: str
+    reserved: int
+    free_pages: list[int]
+    free_rows: list[int]
+    gens: list[int]
+    pages: list[tuple[int, ...]]     # LogicalKVPage.as_tuple for live slots
+    spaces: list[tuple[Any, ...]]    # KVAddressSpace.as_tuple, by bundle
+
+
+class _StateSnap(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    next_bundle: int
+    plan: dict[str, Any]
+    pool_specs: list[PoolSpec]
+    pools: list[_PoolSnap]
+    bundles: list[tuple[Any, ...]]
+
+
+def _canonical(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _canonical(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list | tuple):
+        return [_canonical(x) for x in obj]
+    return obj
+
+
+def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
+    pools = []
+    for name in sorted(st.pools):
+        p = st.pools[name]
+        pools.append(_PoolSnap(
+            name, p.reserved, list(p.free_pages), list(p.free_rows), list(p.gens),
+            [pg.as_tuple() for pg in p.pages if pg is not None],
+            [p.spaces[b].as_tuple() for b in sorted(p.spaces)]))
+    bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
+    return _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
+                      list(st.pool_specs), pools, bundles)
+
+
+def encode_state(st: StoreState) -> bytes:
+    return msgspec.msgpack.encode(to_snapshot(st))
+
+
+def digest(st: StoreState) -> str:
+    """Stable hash of the logical state (not of the journal position)."""
+    return hashlib.blake2b(msgspec.msgpack.encode(to_snapshot(st, with_seq=False)),
+                           digest_size=16).hexdigest()
+
+
+def decode_state(data: bytes) -> StoreState:
+    snap = msgspec.msgpack.decode(data, type=_StateSnap)
+    st = StoreState()
+    st.seq, st.next_bundle, st.plan = snap.seq, snap.next_bundle, snap.plan
+    st.pool_specs = list(snap.pool_specs)
+    specs = {s.name: s for s in snap.pool_specs}
+    for ps in snap.pools:
+        spec = specs[ps.name]
+        p = PoolState(ps.name, spec.capacity, spec.rows, spec.logical_pages)
+        p.reserved = ps.reserved
+        p.free_pages = SortedList(ps.free_pages)
+        p.free_rows = SortedList(ps.free_rows)
+        p.gens = list(ps.gens)
+        p.pages = [None] * len(p.gens)
+        for t in ps.pages:
+            pg = LogicalKVPage(t[0], t[1], t[8], t[7], False)
+            (pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
+                t[2], t[3], t[4], t[5], t[6], t[9])
+            pg.host = None if t[10] == NO_PAGE else (t[10], t[11], t[12], t[13])
+            p.pages[pg.slot] = pg
+        p.free_slots = SortedList(i for i, pg in enumerate(p.pages) if pg is None)
+        for t in ps.spaces:
+            sp = KVAddressSpace(t[0], ps.name, t[5], t[6])
+            sp.committed, sp.provisional, sp.protected, sp.active = t[1], t[2], t[3], t[4]
+            sp.members = list(t[7])
+            p.spaces[sp.bundle] = sp
+            if sp.row >= 0:
+                p.row_owner[sp.row] = sp.bundle
+        st.pools[ps.name] = p
+    for t in snap.bundles:
+        b = SequenceKVBundle(t[0], tuple(t[2]))
+        b.active, b.finish_reason, b.parent = t[1], t[3], t[4]
+        st.bundles[b.id] = b
+    return st

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
+from ninfer_kv.engine.layout import Profile
+from ninfer_kv.engine.store import KVStore, StoreConfig
+
+MakeStore = Callable[..., KVStore]
+
+
+def small_config(tmp: Path | None, *, pages: int = 64, concurrency: int = 4, context: int = 2048,
+                 backend: Backend = Backend.OFF, profile: Profile = Profile.BF16,
+                 journal: bool = True, **kw) -> StoreConfig:
+    model = ModelGeometry(layers=2, kv_heads=2, head_dim=64, profile=profile, mtp_layers=1,
+                          draft_layers=1 if backend is Backend.DFLASH else 0, draft_kv_heads=1,
+                          draft_head_dim=64)
+    serving = ServingConfig(max_context=context, max_concurrency=concurrency, backend=backend,
+                            draft_window=kw.pop("draft_window", 4))
+    return StoreConfig(model=model, serving=serving, kv_tokens=pages * 64,
+                       journal_dir=str(tmp / "journal") if (journal and tmp) else None, **kw)
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> MakeStore:
+    opened: list[KVStore] = []
+
+    def make(**kw) -> KVStore:
+        s = KVStore.open(small_config(tmp_path, **kw))
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        if s.journal is not None:
+            s.close()
