@@ -38,7 +38,7 @@ class KVAddressSpace:
 class SequenceKVBundle:
     """Main space + the selected backend space, activated and finished together (§7.1)."""
 
-    __slots__ = ("id", "active", "pools", "finish_reason", "parent")
+    __slots__ = ("id", "active", "pools", "finish_reason", "parent", "budget")
 
     def __init__(self, bundle_id: int, pools: tuple[str, ...]) -> None:
         self.id = bundle_id
@@ -46,6 +46,7 @@ class SequenceKVBundle:
         self.pools = pools        # pools that still hold a space of this bundle
         self.finish_reason = ""
         self.parent = -1          # checkpoint it was continued from, if any
+        self.budget = 0           # prompt + output budget in tokens
 
     def as_tuple(self) -> tuple:
-        return (self.id, self.active, self.pools, self.finish_reason, self.parent)
+        return (self.id, self.active, self.pools, self.finish_reason, self.parent, self.budget)

@@ -98,9 +98,10 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
     pool.row_owner[e.row] = e.bundle
     b = st.bundles.get(e.bundle)
     if b is None:
-        st.bundles[e.bundle] = SequenceKVBundle(e.bundle, (e.pool,))
+        b = st.bundles[e.bundle] = SequenceKVBundle(e.bundle, (e.pool,))
     else:
         b.pools = (*b.pools, e.pool)
+    b.budget = e.budget
     if e.bundle >= st.next_bundle:
         st.next_bundle = e.bundle + 1
 

@@ -60,7 +60,8 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
                                 f"committed frontier {sp.committed} (§9.2)")
         if f > prompt_tokens:
             raise FrontierError(f"frontier {f} > prompt_tokens {prompt_tokens}")
-        plans[pool] = {"frontier": f, "entitlement": store.entitlement_pages(pool, total)}
+        plans[pool] = {"frontier": f,
+                       "entitlement": store.entitlement_pages(pool, prompt_tokens, total)}
     for pool, pl in plans.items():                              # 2. reserve
         hook("reserve", pool)
         p = st.pools[pool]
@@ -116,7 +117,7 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
     events: list[Any] = []
     for pool, pl in plans.items():
         f = pl["frontier"]
-        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool]))
+        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total))
         if pl["move"]:
             events.append(ev.Move(checkpoint, dst, pool, f))
         else:

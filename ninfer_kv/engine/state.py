@@ -120,6 +120,6 @@ def decode_state(data: bytes) -> StoreState:
         st.pools[ps.name] = p
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))
-        b.active, b.finish_reason, b.parent = t[1], t[3], t[4]
+        b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]
         st.bundles[b.id] = b
     return st

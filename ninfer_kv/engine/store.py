@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import continuation
+from ninfer_kv.engine import continuation, growth
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import (
@@ -88,6 +88,11 @@ class StoreConfig:
     allocate_planes: bool = True
     snapshot_every: int = 0
     """Write a snapshot every N records (0 = only on request)."""
+    lease_growth: bool = False
+    """kv_lease_growth (spec §6.2): entitle frontier + window + cushion, grow at round ends."""
+    lease_window: int = 4096
+    lease_cushion: int = 64
+    """Per-lane cushion: covers the step about to launch and one forced control span."""
 
     def plan(self) -> CapacityPlan:
         if self.free_bytes is not None:
@@ -307,13 +312,18 @@ class KVStore:
         return [PageHandle(p.name, s, p.gens[s]) for s in self._space(bundle, pool).members]
 
     # --- activation from root (§6.2, §7.3) -----------------------------------------------------
-    def entitlement_pages(self, pool: str, tokens: int) -> int:
-        """Default entitlement: prompt + whole output budget (+ MTP's provisional lead)."""
-        lead = self.config.serving.draft_window - 1 if pool == PoolKind.MTP.value else 0
-        return min(self.plan.L, ceil_div(tokens + lead, P))
+    def entitlement_pages(self, pool: str, frontier: int, budget: int) -> int:
+        """Pages to entitle for a space at ``frontier`` with a prompt+output ``budget``: the whole
+        budget by default; with kv_lease_growth only frontier + window + cushion (§6.2). The MTP
+        pool adds its provisional lead of K-1 tokens (§3.3)."""
+        tokens = budget
+        if self.config.lease_growth:
+            tokens = min(budget, frontier + self.config.lease_window + self.config.lease_cushion)
+        if pool == PoolKind.MTP.value:
+            tokens += self.config.serving.draft_window - 1
+        return min(self.plan.L, ceil_div(tokens, P))
 
-    def activate(self, prompt_tokens: int, max_output_tokens: int,
-                 entitlement_tokens: int | None = None) -> int:
+    def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:
         """Activate a new sequence from root; returns its id (the bundle id)."""
         self._require_thawed("activate")
         total = prompt_tokens + max_output_tokens
@@ -323,16 +333,20 @@ class KVStore:
         if total > self.plan.S:
             raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} "
                                 f"tokens > S={self.plan.S}, the logical ceiling (§3.2)")
-        tokens = total if entitlement_tokens is None else max(prompt_tokens, entitlement_tokens)
-        plan = {p: self.entitlement_pages(p, tokens) for p in self.pools}
+        plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
         bundle = self.state.next_bundle
-        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows[0])
+        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows[0], total)
                   for p, n in plan.items()]
         self._emit(*events, ev.PublishActive(bundle))
         for p in plan:
             self._touch(p, bundle, 0)  # the leased row is published whole: no stale entries
         return bundle
+
+    def grow(self, step_tokens: int = 1) -> growth.GrowResult:
+        """kv_lease_growth at a decode-round boundary (engine/growth.py)."""
+        self._require_thawed("grow")
+        return growth.grow(self, step_tokens)
 
     def _check_capacity(self, pages: dict[str, int], exclude_rows: bool = False) -> None:
         for name, n in pages.items():

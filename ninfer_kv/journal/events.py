@@ -63,6 +63,8 @@ class Activate(_Event, tag="act"):
     pool: str
     entitlement: int
     row: int
+    budget: int = 0
+    """prompt + output budget in tokens (bounds kv_lease_growth); 0 = unknown."""
 
 
 class PublishActive(_Event, tag="pub"):

