@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer_kv.engine.layout import PlaneOrder, PoolGeometry
+from ninfer_kv.engine.layout import PoolGeometry
 
 UNMAPPED = -1
 """Block-table entries beyond a row's membership hold -1, so a stray read faults loudly."""
@@ -45,13 +45,13 @@ class DeviceState:
             src = torch.tensor(ids, dtype=torch.int32)
             self.pools[pool].block_tables[row, start:start + len(ids)].copy_(src, non_blocking=True)
 
+    def planes(self, pool: str) -> list[torch.Tensor]:
+        """Every plane of every layer of a pool (the page group's payload)."""
+        return [t for layer in self.pools[pool].planes for t in layer.values()]
+
     def copy_columns(self, pool: str, src_page: int, dst_page: int, columns: int) -> None:
         """Partial-tail COW: the first ``columns`` token columns of every plane (spec §9.3)."""
-        pd = self.pools[pool]
-        head_major = pd.geometry.order is PlaneOrder.HEAD_MAJOR
-        for layer in pd.planes:
-            for t in layer.values():
-                if head_major:
-                    t[:, dst_page, :columns].copy_(t[:, src_page, :columns])
-                else:
-                    t[dst_page, :, :columns].copy_(t[src_page, :, :columns])
+        from ninfer_kv.kernels.copy import copy_tail
+
+        copy_tail(self.planes(pool), self.pools[pool].geometry.order, src_page, dst_page,
+                  columns)

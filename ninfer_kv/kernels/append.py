@@ -1,0 +1,100 @@
+"""Paged KV append (spec §4.3, §12): quantize B new tokens' K and V and write them at their
+positions through ``table_rows`` + block tables into the code and scale planes of one layer.
+Positions may start inside a page; pages need not be contiguous.
+
+    append_kv(view, table_rows[B], positions[B], k[B, H, D], v[B, H, D])
+
+``view`` is a ``PagedKVBatchLayerView`` (or anything with its fields). k/v may be float32 or
+bfloat16; they are read as float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numba
+import torch
+from numba import cuda
+
+from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.kernels import quant
+from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
+from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
+
+_ENC_CPU = quant.for_target(quant.encode_row, cpu=True)
+
+CODEC_IDS = {"bf16": BF16, "int8-g64": INT8_G64, "fp8-e4m3fn-row256": FP8_ROW,
+             "nvfp4-g16": NVFP4_G16}
+
+
+def side_codecs(storage: Any) -> tuple[int, int]:
+    """(K codec id, V codec id) of a closed profile."""
+    k, v = storage.codecs
+    return CODEC_IDS[k.value], CODEC_IDS[v.value]
+
+
+@numba.njit(parallel=True, cache=False)
+def _append_cpu(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v):  # noqa: ANN001
+    n_tok, n_heads, d = k.shape
+    for i in numba.prange(n_tok * n_heads):
+        b = i // n_heads
+        h = i % n_heads
+        pos = positions[b]
+        g = tables[rows[b], pos >> 6]
+        o = pos & 63
+        _ENC_CPU(k_codec, k[b, h], kc, ks, g, h, o, d)
+        _ENC_CPU(v_codec, v[b, h], vc, vs, g, h, o, d)
+
+
+@functools.cache
+def _append_cuda() -> Any:
+    enc = quant.for_target(quant.encode_row, cpu=False)
+
+    @cuda.jit
+    def kernel(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v):  # noqa: ANN001
+        i = cuda.grid(1)
+        n_tok, n_heads, d = k.shape
+        if i < n_tok * n_heads:
+            b = i // n_heads
+            h = i % n_heads
+            pos = positions[b]
+            g = tables[rows[b], pos >> 6]
+            o = pos & 63
+            enc(k_codec, k[b, h], kc, ks, g, h, o, d)
+            enc(v_codec, v[b, h], vc, vs, g, h, o, d)
+
+    return kernel
+
+
+def page_major(t: torch.Tensor | None, order: PlaneOrder) -> torch.Tensor | None:
+    """Head-major planes [H, N, P, X] are handed to kernels as [N, H, P, X] views (§4.3)."""
+    if t is None or order is PlaneOrder.PAGE_MAJOR:
+        return t
+    return t.permute(1, 0, 2, 3)
+
+
+def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
+    if k.shape != v.shape or k.dim() != 3 or k.shape[0] != table_rows.shape[0] or \
+            positions.shape != table_rows.shape:
+        raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, table_rows "
+                         f"{tuple(table_rows.shape)}, positions {tuple(positions.shape)} disagree")
+    if k.shape[1] != view.num_kv_heads or k.shape[2] != view.head_dim:
+        raise ValueError(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
+                         f"({view.num_kv_heads}, {view.head_dim})")
+    kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
+    ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
+    vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)
+    k_id, v_id = side_codecs(view.storage)
+    kf = k.float().contiguous()
+    vf = v.float().contiguous()
+    rows = table_rows.to(torch.int32)
+    pos = positions.to(torch.int32)
+    args = [dev_view(t) for t in (kc, ks, vc, vs)] + [k_id, v_id] + [
+        dev_view(t) for t in (view.block_tables, rows, pos, kf, vf)]
+    if use_cuda_kernels(kc, force_sim=force_cuda_sim):
+        n = k.shape[0] * k.shape[1]
+        launch(_append_cuda(), (max(1, -(-n // 64)),), 64, *args)
+    else:
+        _append_cpu(*args)

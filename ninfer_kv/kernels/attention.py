@@ -1,0 +1,269 @@
+"""Paged attention through block tables (spec §12, §13): decode and prefill/verify, GQA with any
+group size, per-row context length, split-K, fp32 accumulation with online softmax, codes and
+scales read directly from pages — no gather to contiguous KV, no staging copy.
+
+    paged_decode(q[B, Hq, D], view, table_rows[B], context_lens[B]) -> out[B, Hq, D]
+    paged_prefill(q[B, T, Hq, D], view, table_rows[B], start[B]) -> out[B, T, Hq, D]
+
+Prefill/verify query ``t`` of row ``b`` attends causally to positions ``[0, start[b] + t]``
+(the chunk's own K/V must already be appended). It runs as decode over the flattened
+``B * T`` queries with per-query context lengths; a tiled prefill kernel is a later step.
+
+Split-K: each (row, KV head, split) item produces a partial (max, sum, acc) over its range of
+positions; partials are combined with the usual log-sum-exp rescaling. Page translation is done
+once per page (CPU) or once per token per warp (CUDA), never per element.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+from numba import cuda, float32
+
+from ninfer_kv.kernels import quant
+from ninfer_kv.kernels.append import page_major, side_codecs
+from ninfer_kv.kernels.backend import (
+    MAXD,
+    MAXE,
+    MAXG,
+    THREADS,
+    WARPS,
+    dev_view,
+    launch,
+    scale_or_dummy,
+    simulator,
+    use_cuda_kernels,
+)
+
+_DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=False)
+def _decode_cpu(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
+                n_split, out_m, out_l, out_acc):
+    n_rows, hq, d = q.shape
+    h_kv = kc.shape[1]
+    grp = hq // h_kv
+    for item in numba.prange(n_rows * h_kv * n_split):
+        b = item // (h_kv * n_split)
+        rem = item % (h_kv * n_split)
+        h = rem // n_split
+        s = rem % n_split
+        ctx = ctx_lens[b]
+        chunk = (ctx + n_split - 1) // n_split
+        start = s * chunk
+        end = min(ctx, start + chunk)
+        kbuf = np.empty(d, np.float32)
+        vbuf = np.empty(d, np.float32)
+        qs = np.empty((grp, d), np.float32)
+        for j in range(grp):
+            for e in range(d):
+                qs[j, e] = q[b, h * grp + j, e] * sm_scale
+        m = np.full(grp, -np.inf, np.float32)
+        lsum = np.zeros(grp, np.float32)
+        acc = np.zeros((grp, d), np.float32)
+        row = rows[b]
+        pos = start
+        while pos < end:
+            g = tables[row, pos >> 6]          # one translation per page
+            page_end = min(end, ((pos >> 6) + 1) << 6)
+            for p in range(pos, page_end):
+                o = p & 63
+                _DQ_ROW(k_codec, kc, ks, g, h, o, d, kbuf)
+                _DQ_ROW(v_codec, vc, vs, g, h, o, d, vbuf)
+                for j in range(grp):
+                    dot = np.float32(0.0)
+                    for e in range(d):
+                        dot += qs[j, e] * kbuf[e]
+                    m_new = max(m[j], dot)
+                    corr = math.exp(m[j] - m_new)
+                    pw = math.exp(dot - m_new)
+                    lsum[j] = lsum[j] * corr + pw
+                    for e in range(d):
+                        acc[j, e] = acc[j, e] * corr + pw * vbuf[e]
+                    m[j] = m_new
+            pos = page_end
+        for j in range(grp):
+            out_m[b, h * grp + j, s] = m[j]
+            out_l[b, h * grp + j, s] = lsum[j]
+            for e in range(d):
+                out_acc[b, h * grp + j, s, e] = acc[j, e]
+
+
+@functools.cache
+def _decode_cuda() -> Any:
+    """Block = (row, KV head x query-head chunk, split); 4 warps take tokens in turn, each lane
+    holds D/32 consecutive elements of q, k, v and acc; dot products are warp-reduced."""
+    dq = quant.for_target(quant.dq, cpu=False)
+    sim = simulator()
+
+    @cuda.jit(device=True)
+    def warp_sum(v, buf, warp, lane):  # noqa: ANN001
+        if sim:  # the simulator has no shuffles: reduce through shared memory
+            buf[warp, lane] = v
+            cuda.syncthreads()
+            t = float32(0.0)
+            for i in range(32):
+                t += buf[warp, i]
+            cuda.syncthreads()
+            return t
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+        return v
+
+    @cuda.jit
+    def kernel(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
+               n_split, out_m, out_l, out_acc):
+        b = cuda.blockIdx.x
+        hy = cuda.blockIdx.y
+        s = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        hq = q.shape[1]
+        d = q.shape[2]
+        h_kv = kc.shape[1]
+        grp = hq // h_kv
+        chunks = (grp + MAXG - 1) // MAXG
+        h = hy // chunks
+        g0 = (hy % chunks) * MAXG
+        ng = min(MAXG, grp - g0)
+        ne = d // 32
+        d0 = lane * ne
+        buf = cuda.shared.array((WARPS, 32), float32)
+        sm_m = cuda.shared.array((WARPS, MAXG), float32)
+        sm_l = cuda.shared.array((WARPS, MAXG), float32)
+        sm_acc = cuda.shared.array((WARPS, MAXG, MAXD), float32)
+        qr = cuda.local.array((MAXG, MAXE), float32)
+        acc = cuda.local.array((MAXG, MAXE), float32)
+        m = cuda.local.array(MAXG, float32)
+        lsum = cuda.local.array(MAXG, float32)
+        kr = cuda.local.array(MAXE, float32)
+        vr = cuda.local.array(MAXE, float32)
+        for j in range(ng):
+            m[j] = -math.inf
+            lsum[j] = 0.0
+            for e in range(ne):
+                qr[j, e] = q[b, h * grp + g0 + j, d0 + e] * sm_scale
+                acc[j, e] = 0.0
+        ctx = ctx_lens[b]
+        chunk = (ctx + n_split - 1) // n_split
+        start = s * chunk
+        end = min(ctx, start + chunk)
+        row = rows[b]
+        iters = (max(0, end - start) + WARPS - 1) // WARPS
+        for it in range(iters):             # uniform trip count across the block
+            t = start + it * WARPS + warp
+            valid = t < end
+            if valid:
+                g = tables[row, t >> 6]
+                o = t & 63
+                for e in range(ne):
+                    kr[e] = dq(k_codec, kc, ks, g, h, o, d0 + e)
+                    vr[e] = dq(v_codec, vc, vs, g, h, o, d0 + e)
+            for j in range(ng):
+                part = float32(0.0)
+                if valid:
+                    for e in range(ne):
+                        part += qr[j, e] * kr[e]
+                dot = warp_sum(part, buf, warp, lane)
+                if valid:
+                    m_new = max(m[j], dot)
+                    corr = math.exp(m[j] - m_new)
+                    pw = math.exp(dot - m_new)
+                    lsum[j] = lsum[j] * corr + pw
+                    for e in range(ne):
+                        acc[j, e] = acc[j, e] * corr + pw * vr[e]
+                    m[j] = m_new
+        for j in range(ng):                 # combine the warps of this block
+            if lane == 0:
+                sm_m[warp, j] = m[j]
+                sm_l[warp, j] = lsum[j]
+            for e in range(ne):
+                sm_acc[warp, j, d0 + e] = acc[j, e]
+        cuda.syncthreads()
+        if warp == 0:
+            for j in range(ng):
+                mx = -math.inf
+                for w in range(WARPS):
+                    mx = max(mx, sm_m[w, j])
+                tot = float32(0.0)
+                for e in range(ne):
+                    kr[e] = 0.0
+                for w in range(WARPS):
+                    c = math.exp(sm_m[w, j] - mx) if sm_m[w, j] > -math.inf else float32(0.0)
+                    tot += sm_l[w, j] * c
+                    for e in range(ne):
+                        kr[e] += sm_acc[w, j, d0 + e] * c
+                qh = h * grp + g0 + j
+                if lane == 0:
+                    out_m[b, qh, s] = mx
+                    out_l[b, qh, s] = tot
+                for e in range(ne):
+                    out_acc[b, qh, s, d0 + e] = kr[e]
+
+    return kernel
+
+
+def choose_splits(n_rows: int, h_kv: int, max_ctx: int, cuda: bool) -> int:
+    """Enough work items to fill the device, no split shorter than a few pages."""
+    target = 2 * 132 if cuda else 4 * max(1, numba.get_num_threads())
+    want = max(1, -(-target // max(1, n_rows * h_kv)))
+    return int(max(1, min(want, -(-max_ctx // 256))))
+
+
+def _combine(out_m: torch.Tensor, out_l: torch.Tensor, out_acc: torch.Tensor) -> torch.Tensor:
+    mx = out_m.max(dim=-1, keepdim=True).values
+    w = torch.where(out_m > -math.inf, torch.exp(out_m - mx), torch.zeros_like(out_m))
+    tot = (out_l * w).sum(-1)
+    return (out_acc * w.unsqueeze(-1)).sum(-2) / tot.unsqueeze(-1)
+
+
+def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
+                 context_lens: torch.Tensor, *, sm_scale: float | None = None,
+                 n_split: int | None = None, force_cuda_sim: bool = False) -> torch.Tensor:
+    n_rows, hq, d = q.shape
+    h_kv = view.num_kv_heads
+    if d != view.head_dim or hq % h_kv or d % 32 or d > 32 * MAXE:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} vs view heads={h_kv} "
+                         f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, D <= 256)")
+    if table_rows.shape != (n_rows,) or context_lens.shape != (n_rows,):
+        raise ValueError("paged_decode: table_rows and context_lens must be [B]")
+    kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
+    ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
+    vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)
+    k_id, v_id = side_codecs(view.storage)
+    scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
+    cuda_path = use_cuda_kernels(kc, force_sim=force_cuda_sim)
+    max_ctx = int(context_lens.max()) if n_rows else 0
+    splits = n_split or choose_splits(n_rows, h_kv, max_ctx, cuda_path)
+    dev = q.device
+    out_m = torch.empty((n_rows, hq, splits), dtype=torch.float32, device=dev)
+    out_l = torch.empty_like(out_m)
+    out_acc = torch.empty((n_rows, hq, splits, d), dtype=torch.float32, device=dev)
+    qf = q.float().contiguous()
+    args = [dev_view(t) for t in (qf, kc, ks, vc, vs)] + [k_id, v_id] + [
+        dev_view(t) for t in (view.block_tables, table_rows.to(torch.int32),
+                              context_lens.to(torch.int32))] + [np.float32(scale), splits] + [
+        dev_view(t) for t in (out_m, out_l, out_acc)]
+    if cuda_path:
+        chunks = -(-(hq // h_kv) // MAXG)
+        launch(_decode_cuda(), (n_rows, h_kv * chunks, splits), THREADS, *args)
+    else:
+        _decode_cpu(*args)
+    return _combine(out_m, out_l, out_acc).to(q.dtype)
+
+
+def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: torch.Tensor,
+                  **kw: Any) -> torch.Tensor:
+    """Causal chunk attention: query t of row b sees positions [0, start[b] + t]."""
+    n_rows, t, hq, d = q.shape
+    rows = table_rows.repeat_interleave(t)
+    ctx = (start.view(-1, 1) + torch.arange(1, t + 1, device=start.device)).reshape(-1)
+    out = paged_decode(q.reshape(n_rows * t, hq, d), view, rows, ctx, **kw)
+    return out.view(n_rows, t, hq, d)

@@ -1,0 +1,176 @@
+"""Page copies (spec §5.3, §9.3): page-group copy of runs (every plane of a pool), the partial
+tail COW copy (first n columns of every plane), and packing/unpacking between device pages and
+the host layout (logical order, packed: a host page is every plane's page slice, back to back).
+
+Every plane is seen as a 4-D strided byte/word view ``[outer, page, mid, row]``:
+
+* page-major ``[N, H, P, X]`` -> ``[1, N, H, P*X*isz]``
+* head-major ``[H, N, P, X]`` -> ``[H, N, 1, P*X*isz]``
+
+and one kernel copies ``view[o, src[i], m, :w] -> view'[o, dst[i], m, :w]``. Whole pages move
+in int64 words (a page row is always a multiple of 64 bytes), COW tails in bytes. On CUDA,
+host packing goes through a device staging tensor and torch's async copy (kernels never
+touch pageable host memory).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numba
+import torch
+from numba import cuda
+
+from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.kernels.backend import dev_view, launch, use_cuda_kernels
+
+
+def plane_view(t: torch.Tensor, order: PlaneOrder, unit: torch.dtype) -> torch.Tensor:
+    b = t.view(torch.uint8)
+    if order is PlaneOrder.PAGE_MAJOR:
+        n, h, p, xb = b.shape
+        v = b.reshape(1, n, h, p * xb)
+    else:
+        h, n, p, xb = b.shape
+        v = b.reshape(h, n, 1, p * xb)
+    return v.view(unit)
+
+
+def row_bytes(t: torch.Tensor) -> int:
+    return t.shape[2] * t.shape[3] * t.element_size()
+
+
+@numba.njit(parallel=True, cache=False)
+def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
+    n = src_ids.shape[0]
+    outer, mid = src.shape[0], src.shape[2]
+    for item in numba.prange(n * outer * mid):
+        i = item // (outer * mid)
+        r = item % (outer * mid)
+        o = r // mid
+        m = r % mid
+        s, d = src_ids[i], dst_ids[i]
+        for w in range(words):
+            dst[o, d, m, w] = src[o, s, m, w]
+
+
+@functools.cache
+def _copy_cuda() -> Any:
+    @cuda.jit
+    def kernel(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
+        n = src_ids.shape[0]
+        outer, mid = src.shape[0], src.shape[2]
+        total = n * outer * mid * words
+        start = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        for k in range(start, total, stride):
+            w = k % words
+            r = k // words
+            m = r % mid
+            r //= mid
+            o = r % outer
+            i = r // outer
+            dst[o, dst_ids[i], m, w] = src[o, src_ids[i], m, w]
+
+    return kernel
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+          words: int, force_cuda_sim: bool = False) -> None:
+    if words <= 0 or src_ids.numel() == 0:
+        return
+    args = (dev_view(src), dev_view(dst), dev_view(src_ids), dev_view(dst_ids), words)
+    if use_cuda_kernels(src, dst, force_sim=force_cuda_sim):
+        total = src_ids.numel() * src.shape[0] * src.shape[2] * words
+        launch(_copy_cuda(), (max(1, min(4096, -(-total // 256))),), 256, *args)
+    else:
+        _copy_cpu(*args)
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(ids, dtype=torch.int32).to(device)
+
+
+def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[int],
+               dst: Sequence[int], *, force_cuda_sim: bool = False) -> None:
+    """Whole page groups src[i] -> dst[i] in every plane of a pool."""
+    if not planes:
+        return
+    s, d = _ids(src, planes[0].device), _ids(dst, planes[0].device)
+    for t in planes:
+        v = plane_view(t, order, torch.int64)
+        _copy(v, v, s, d, v.shape[3], force_cuda_sim)
+
+
+def copy_tail(planes: Sequence[torch.Tensor], order: PlaneOrder, src_page: int, dst_page: int,
+              columns: int, *, force_cuda_sim: bool = False) -> None:
+    """Partial-tail COW: the first ``columns`` token columns of every plane (spec §9.3)."""
+    if not planes or columns <= 0:
+        return
+    s, d = _ids([src_page], planes[0].device), _ids([dst_page], planes[0].device)
+    for t in planes:
+        v = plane_view(t, order, torch.uint8)
+        _copy(v, v, s, d, columns * t.shape[3] * t.element_size(), force_cuda_sim)
+
+
+def _heads(t: torch.Tensor, order: PlaneOrder) -> int:
+    return t.shape[1] if order is PlaneOrder.PAGE_MAJOR else t.shape[0]
+
+
+def host_page_bytes(planes: Sequence[torch.Tensor], order: PlaneOrder) -> int:
+    """Bytes of one packed host page: every plane's page slice (H rows), back to back."""
+    return sum(_heads(t, order) * row_bytes(t) for t in planes)
+
+
+def _host_views(planes: Sequence[torch.Tensor], order: PlaneOrder,
+                host: torch.Tensor) -> list[torch.Tensor]:
+    """Per-plane strided int64 views into a packed host buffer ``host[n_pages, page_bytes]``."""
+    n, page = host.shape
+    if page != host_page_bytes(planes, order):
+        raise ValueError(f"host page of {page} B does not hold these planes "
+                         f"({host_page_bytes(planes, order)} B)")
+    words = host.view(torch.int64).view(-1)
+    pw = page // 8
+    out = []
+    off = 0
+    for t in planes:
+        rw = row_bytes(t) // 8
+        h = _heads(t, order)
+        base = words[off:]
+        if order is PlaneOrder.PAGE_MAJOR:
+            out.append(base.as_strided((1, n, h, rw), (0, pw, rw, 1)))
+        else:
+            out.append(base.as_strided((h, n, 1, rw), (rw, pw, 0, 1)))
+        off += h * rw
+    return out
+
+
+def pack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, page_ids: Sequence[int],
+               host: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
+    """Device pages ``page_ids`` (logical order) -> packed host pages ``host[i]`` (D2H)."""
+    if not planes or len(page_ids) == 0:
+        return
+    dev = planes[0].device
+    stage = host if not use_cuda_kernels(planes[0]) or host.device == dev else \
+        torch.empty(host.shape, dtype=torch.uint8, device=dev)
+    s = _ids(page_ids, dev)
+    d = _ids(range(len(page_ids)), dev)
+    for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
+        _copy(plane_view(t, order, torch.int64), hv, s, d, row_bytes(t) // 8, force_cuda_sim)
+    if stage is not host:
+        host.copy_(stage, non_blocking=host.is_pinned())
+
+
+def unpack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, host: torch.Tensor,
+                 page_ids: Sequence[int], *, force_cuda_sim: bool = False) -> None:
+    """Packed host pages ``host[i]`` -> device pages ``page_ids[i]`` (H2D)."""
+    if not planes or len(page_ids) == 0:
+        return
+    dev = planes[0].device
+    stage = host if host.device == dev else host.to(dev, non_blocking=True)
+    s = _ids(range(len(page_ids)), dev)
+    d = _ids(page_ids, dev)
+    for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
+        _copy(hv, plane_view(t, order, torch.int64), s, d, row_bytes(t) // 8, force_cuda_sim)

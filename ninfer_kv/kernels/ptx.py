@@ -1,0 +1,79 @@
+"""Compile every CUDA kernel to PTX for a compute capability without a GPU (CI runs this for
+sm_90). The simulator accepts code a real GPU rejects, so this is the check that the kernels
+are real CUDA. Needs NVRTC (``numba-cuda[cu13]``) and must run WITHOUT the simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+from numba import types
+
+from ninfer_kv.engine.layout import Profile, codec_planes
+
+_NB = {"uint16": types.uint16, "int8": types.int8, "uint8": types.uint8}
+
+
+def _plane(dt: str) -> types.Array:
+    return types.Array(_NB[dt], 4, "A")
+
+
+def _planes(profile: Profile) -> tuple[types.Array, ...]:
+    out = []
+    for codec in profile.codecs:
+        planes = codec_planes(codec, 128)
+        out.append(_plane(str(planes[0][1]).split(".")[1]))
+        out.append(_plane(str(planes[1][1]).split(".")[1]) if len(planes) > 1 else
+                   _plane("uint16"))
+    kc, ks, vc, vs = out
+    return kc, ks, vc, vs
+
+
+@contextlib.contextmanager
+def _fake_device(cc: tuple[int, int]) -> Iterator[None]:
+    """Nested device functions ask for the current device while compiling; answer for one."""
+    import numba.cuda.dispatcher as disp
+
+    class _Dev:
+        compute_capability = cc
+
+    with mock.patch.object(disp, "get_current_device", lambda: _Dev()):
+        yield
+
+
+def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
+    """{kernel/profile: PTX bytes} for every kernel and every profile."""
+    from numba import cuda
+
+    from ninfer_kv.kernels.append import _append_cuda
+    from ninfer_kv.kernels.attention import _decode_cuda
+    from ninfer_kv.kernels.copy import _copy_cuda
+
+    i32, f32 = types.int32, types.float32
+    a1 = types.Array(i32, 1, "A")
+    a2 = types.Array(i32, 2, "A")
+    f3 = types.Array(f32, 3, "A")
+    f4 = types.Array(f32, 4, "A")
+    out: dict[str, int] = {}
+    with _fake_device(cc):
+        for prof in Profile:
+            kc, ks, vc, vs = _planes(prof)
+            sig = (kc, ks, vc, vs, types.int64, types.int64, a2, a1, a1, f3, f3)
+            ptx, _ = cuda.compile_ptx(_append_cuda().py_func, sig, cc=cc)
+            out[f"append/{prof.value}"] = len(ptx)
+            sig = (f3, kc, ks, vc, vs, types.int64, types.int64, a2, a1, a1, f32, types.int64,
+                   f3, f3, f4)
+            ptx, _ = cuda.compile_ptx(_decode_cuda().py_func, sig, cc=cc)
+            out[f"decode/{prof.value}"] = len(ptx)
+        for unit in (types.int64, types.uint8):
+            v4 = types.Array(unit, 4, "A")
+            ptx, _ = cuda.compile_ptx(_copy_cuda().py_func, (v4, v4, a1, a1, types.int64), cc=cc)
+            out[f"copy/{unit}"] = len(ptx)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for name, n in compile_all().items():
+        print(f"{name:32s} {n:8d} bytes of PTX")

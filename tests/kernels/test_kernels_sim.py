@@ -1,0 +1,87 @@
+"""The CUDA kernels themselves, run by numba's CUDA simulator on small shapes (CI has no GPU):
+append must be bit-identical to the CPU kernel, attention must agree with it, copies exact."""
+
+from __future__ import annotations
+
+import numba
+import pytest
+import torch
+
+from ninfer_kv.engine.layout import PlaneOrder, Profile
+from ninfer_kv.kernels.append import append_kv
+from ninfer_kv.kernels.attention import paged_decode
+from ninfer_kv.kernels.copy import copy_pages, copy_tail, host_page_bytes, pack_pages, unpack_pages
+from tests.kernels.helpers import make_view
+
+pytestmark = pytest.mark.skipif(not numba.config.ENABLE_CUDASIM,
+                                reason="simulator tests run with NUMBA_ENABLE_CUDASIM=1 (CI)")
+
+
+def _append_both(profile: Profile, order: PlaneOrder, n: int = 70):
+    cpu = make_view(profile, 1, 64, pages=4, rows=2, logical=2, order=order)
+    sim = make_view(profile, 1, 64, pages=4, rows=2, logical=2, order=order)
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(n, 1, 64, generator=gen), torch.randn(n, 1, 64, generator=gen)
+    rows, pos = torch.ones(n, dtype=torch.int32), torch.arange(n)
+    append_kv(cpu, rows, pos, k, v)
+    append_kv(sim, rows, pos, k, v, force_cuda_sim=True)
+    return cpu, sim
+
+
+@pytest.mark.parametrize("profile", list(Profile))
+def test_sim_append_bit_identical_and_decode_agrees(profile: Profile) -> None:
+    cpu, sim = _append_both(profile, PlaneOrder.PAGE_MAJOR)
+    for a, b in ((cpu.k_pages, sim.k_pages), (cpu.v_pages, sim.v_pages),
+                 (cpu.k_scale_pages, sim.k_scale_pages), (cpu.v_scale_pages, sim.v_scale_pages)):
+        if a is not None:
+            assert torch.equal(a, b)
+    q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(2))
+    want = paged_decode(q, cpu, torch.tensor([1]), torch.tensor([70]))
+    got = paged_decode(q, sim, torch.tensor([1]), torch.tensor([70]), n_split=2,
+                       force_cuda_sim=True)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_sim_head_major_draft_pool() -> None:
+    cpu, sim = _append_both(Profile.BF16, PlaneOrder.HEAD_MAJOR, n=40)
+    assert torch.equal(cpu.k_pages, sim.k_pages)
+    q = torch.randn(1, 1, 64)
+    want = paged_decode(q, cpu, torch.tensor([1]), torch.tensor([40]))
+    got = paged_decode(q, sim, torch.tensor([1]), torch.tensor([40]), force_cuda_sim=True)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cuda-sim"])
+@pytest.mark.parametrize("order", [PlaneOrder.PAGE_MAJOR, PlaneOrder.HEAD_MAJOR])
+def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
+    profile = Profile.BF16 if order is PlaneOrder.HEAD_MAJOR else Profile.K8V4
+    view = make_view(profile, 2, 64, pages=6, rows=1, logical=2, order=order)
+    planes = [t for t in (view.k_pages, view.v_pages, view.k_scale_pages, view.v_scale_pages)
+              if t is not None]
+    gen = torch.Generator().manual_seed(4)
+    for t in planes:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
+                                                dtype=torch.uint8))
+    before = [t.clone() for t in planes]
+
+    def page(t: torch.Tensor, g: int) -> torch.Tensor:
+        return t[g] if order is PlaneOrder.PAGE_MAJOR else t[:, g]
+
+    copy_pages(planes, order, [0, 3], [5, 1], force_cuda_sim=sim)
+    for t, b in zip(planes, before, strict=True):
+        assert torch.equal(page(t, 5), page(b, 0)) and torch.equal(page(t, 1), page(b, 3))
+        assert torch.equal(page(t, 2), page(b, 2))
+    copy_tail(planes, order, 2, 4, 40, force_cuda_sim=sim)
+    for t, b in zip(planes, before, strict=True):
+        assert torch.equal(page(t, 4)[:, :40], page(b, 2)[:, :40])
+        assert torch.equal(page(t, 4)[:, 40:], page(b, 4)[:, 40:])  # nothing past n columns
+    host = torch.zeros(3, host_page_bytes(planes, order), dtype=torch.uint8)
+    pack_pages(planes, order, [2, 0, 5], host, force_cuda_sim=sim)
+    snapshot = [t.clone() for t in planes]
+    for t in planes:
+        t.zero_()
+    unpack_pages(planes, order, host, [2, 0, 5], force_cuda_sim=sim)
+    for t, s in zip(planes, snapshot, strict=True):
+        for g in (2, 0, 5):
+            assert torch.equal(page(t, g), page(s, g))
+        assert not page(t, 1).any()
