@@ -95,12 +95,21 @@ def _decode_cpu(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_
                 out_acc[b, h * grp + j, s, e] = acc[j, e]
 
 
+def heads_per_block(grp: int) -> int:
+    """Query heads one CUDA block serves: the largest divisor of the GQA group <= MAXG."""
+    return max(n for n in range(1, min(grp, MAXG) + 1) if grp % n == 0)
+
+
 @functools.cache
-def _decode_cuda() -> Any:
+def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> Any:
     """Block = (row, KV head x query-head chunk, split); 4 warps take tokens in turn, each lane
-    holds D/32 consecutive elements of q, k, v and acc; dot products are warp-reduced."""
+    holds ``ne`` = D/32 consecutive elements of q, k, v and acc for ``ng`` query heads;
+    dot products are warp-reduced. ``ne``/``ng`` are compile-time constants, so the per-lane
+    arrays live in registers and the loops unroll; the codecs are constants too, so the
+    dequant branches fold away (one specialization per (D, heads, profile))."""
     dq = quant.for_target(quant.dq, cpu=False)
     sim = simulator()
+    NE, NG, KC, VC = ne, ng, kcodec, vcodec  # noqa: N806 - compile-time constants
 
     @cuda.jit(device=True)
     def warp_sum(v, buf, warp, lane):  # noqa: ANN001
@@ -126,30 +135,27 @@ def _decode_cuda() -> Any:
         warp = tid // 32
         lane = tid % 32
         hq = q.shape[1]
-        d = q.shape[2]
         h_kv = kc.shape[1]
         grp = hq // h_kv
-        chunks = (grp + MAXG - 1) // MAXG
+        chunks = grp // NG
         h = hy // chunks
-        g0 = (hy % chunks) * MAXG
-        ng = min(MAXG, grp - g0)
-        ne = d // 32
-        d0 = lane * ne
+        q0 = h * grp + (hy % chunks) * NG
+        d0 = lane * NE
         buf = cuda.shared.array((WARPS, 32), float32)
         sm_m = cuda.shared.array((WARPS, MAXG), float32)
         sm_l = cuda.shared.array((WARPS, MAXG), float32)
         sm_acc = cuda.shared.array((WARPS, MAXG, MAXD), float32)
-        qr = cuda.local.array((MAXG, MAXE), float32)
-        acc = cuda.local.array((MAXG, MAXE), float32)
-        m = cuda.local.array(MAXG, float32)
-        lsum = cuda.local.array(MAXG, float32)
-        kr = cuda.local.array(MAXE, float32)
-        vr = cuda.local.array(MAXE, float32)
-        for j in range(ng):
+        qr = cuda.local.array((NG, NE), float32)
+        acc = cuda.local.array((NG, NE), float32)
+        m = cuda.local.array(NG, float32)
+        lsum = cuda.local.array(NG, float32)
+        kr = cuda.local.array(NE, float32)
+        vr = cuda.local.array(NE, float32)
+        for j in range(NG):
             m[j] = -math.inf
             lsum[j] = 0.0
-            for e in range(ne):
-                qr[j, e] = q[b, h * grp + g0 + j, d0 + e] * sm_scale
+            for e in range(NE):
+                qr[j, e] = q[b, q0 + j, d0 + e] * sm_scale
                 acc[j, e] = 0.0
         ctx = ctx_lens[b]
         chunk = (ctx + n_split - 1) // n_split
@@ -163,13 +169,13 @@ def _decode_cuda() -> Any:
             if valid:
                 g = tables[row, t >> 6]
                 o = t & 63
-                for e in range(ne):
-                    kr[e] = dq(k_codec, kc, ks, g, h, o, d0 + e)
-                    vr[e] = dq(v_codec, vc, vs, g, h, o, d0 + e)
-            for j in range(ng):
+                for e in range(NE):
+                    kr[e] = dq(KC, kc, ks, g, h, o, d0 + e)
+                    vr[e] = dq(VC, vc, vs, g, h, o, d0 + e)
+            for j in range(NG):
                 part = float32(0.0)
                 if valid:
-                    for e in range(ne):
+                    for e in range(NE):
                         part += qr[j, e] * kr[e]
                 dot = warp_sum(part, buf, warp, lane)
                 if valid:
@@ -177,42 +183,41 @@ def _decode_cuda() -> Any:
                     corr = math.exp(m[j] - m_new)
                     pw = math.exp(dot - m_new)
                     lsum[j] = lsum[j] * corr + pw
-                    for e in range(ne):
+                    for e in range(NE):
                         acc[j, e] = acc[j, e] * corr + pw * vr[e]
                     m[j] = m_new
-        for j in range(ng):                 # combine the warps of this block
+        for j in range(NG):                 # combine the warps of this block
             if lane == 0:
                 sm_m[warp, j] = m[j]
                 sm_l[warp, j] = lsum[j]
-            for e in range(ne):
+            for e in range(NE):
                 sm_acc[warp, j, d0 + e] = acc[j, e]
         cuda.syncthreads()
         if warp == 0:
-            for j in range(ng):
+            for j in range(NG):
                 mx = -math.inf
                 for w in range(WARPS):
                     mx = max(mx, sm_m[w, j])
                 tot = float32(0.0)
-                for e in range(ne):
+                for e in range(NE):
                     kr[e] = 0.0
                 for w in range(WARPS):
                     c = math.exp(sm_m[w, j] - mx) if sm_m[w, j] > -math.inf else float32(0.0)
                     tot += sm_l[w, j] * c
-                    for e in range(ne):
+                    for e in range(NE):
                         kr[e] += sm_acc[w, j, d0 + e] * c
-                qh = h * grp + g0 + j
                 if lane == 0:
-                    out_m[b, qh, s] = mx
-                    out_l[b, qh, s] = tot
-                for e in range(ne):
-                    out_acc[b, qh, s, d0 + e] = kr[e]
+                    out_m[b, q0 + j, s] = mx
+                    out_l[b, q0 + j, s] = tot
+                for e in range(NE):
+                    out_acc[b, q0 + j, s, d0 + e] = kr[e]
 
     return kernel
 
 
 def choose_splits(n_rows: int, h_kv: int, max_ctx: int, cuda: bool) -> int:
     """Enough work items to fill the device, no split shorter than a few pages."""
-    target = 2 * 132 if cuda else 4 * max(1, numba.get_num_threads())
+    target = 8 * 132 if cuda else 4 * max(1, numba.get_num_threads())
     want = max(1, -(-target // max(1, n_rows * h_kv)))
     return int(max(1, min(want, -(-max_ctx // 256))))
 
@@ -252,8 +257,9 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               context_lens.to(torch.int32))] + [np.float32(scale), splits] + [
         dev_view(t) for t in (out_m, out_l, out_acc)]
     if cuda_path:
-        chunks = -(-(hq // h_kv) // MAXG)
-        launch(_decode_cuda(), (n_rows, h_kv * chunks, splits), THREADS, *args)
+        ng = heads_per_block(hq // h_kv)
+        launch(_decode_cuda(d // 32, ng, k_id, v_id), (n_rows, h_kv * (hq // h_kv // ng), splits),
+               THREADS, *args)
     else:
         _decode_cpu(*args)
     return _combine(out_m, out_l, out_acc).to(q.dtype)

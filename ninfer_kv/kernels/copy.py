@@ -58,21 +58,22 @@ def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
 
 @functools.cache
 def _copy_cuda() -> Any:
+    """One block per (pair, outer, mid) row (grid-strided over rows); its threads stride over
+    the row's words, so loads and stores are coalesced and there is no per-word division."""
+
     @cuda.jit
     def kernel(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
         n = src_ids.shape[0]
         outer, mid = src.shape[0], src.shape[2]
-        total = n * outer * mid * words
-        start = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        for k in range(start, total, stride):
-            w = k % words
-            r = k // words
-            m = r % mid
-            r //= mid
-            o = r % outer
-            i = r // outer
-            dst[o, dst_ids[i], m, w] = src[o, src_ids[i], m, w]
+        n_rows = n * outer * mid
+        for r in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):
+            i = r // (outer * mid)
+            rem = r % (outer * mid)
+            o = rem // mid
+            m = rem % mid
+            s, d = src_ids[i], dst_ids[i]
+            for w in range(cuda.threadIdx.x, words, cuda.blockDim.x):
+                dst[o, d, m, w] = src[o, s, m, w]
 
     return kernel
 
@@ -83,8 +84,8 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: 
         return
     args = (dev_view(src), dev_view(dst), dev_view(src_ids), dev_view(dst_ids), words)
     if use_cuda_kernels(src, dst, force_sim=force_cuda_sim):
-        total = src_ids.numel() * src.shape[0] * src.shape[2] * words
-        launch(_copy_cuda(), (max(1, min(4096, -(-total // 256))),), 256, *args)
+        n_rows = src_ids.numel() * src.shape[0] * src.shape[2]
+        launch(_copy_cuda(), (max(1, min(65535, n_rows)),), 256 if words >= 256 else 64, *args)
     else:
         _copy_cpu(*args)
 

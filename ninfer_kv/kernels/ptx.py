@@ -12,6 +12,7 @@ from unittest import mock
 from numba import types
 
 from ninfer_kv.engine.layout import Profile, codec_planes
+from ninfer_kv.kernels.append import side_codecs
 
 _NB = {"uint16": types.uint16, "int8": types.int8, "uint8": types.uint8}
 
@@ -65,7 +66,9 @@ def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
             out[f"append/{prof.value}"] = len(ptx)
             sig = (f3, kc, ks, vc, vs, types.int64, types.int64, a2, a1, a1, f32, types.int64,
                    f3, f3, f4)
-            ptx, _ = cuda.compile_ptx(_decode_cuda().py_func, sig, cc=cc)
+            kid, vid = side_codecs(prof)
+            for ne, ng in ((2, 1), (4, 4), (8, 8), (4, 3)):  # D = 64/128/256/128, heads
+                ptx, _ = cuda.compile_ptx(_decode_cuda(ne, ng, kid, vid).py_func, sig, cc=cc)
             out[f"decode/{prof.value}"] = len(ptx)
         for unit in (types.int64, types.uint8):
             v4 = types.Array(unit, 4, "A")
