@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
+from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import unpack
+from ninfer_kv.journal.events import unpack, unpack_i64, unpack_u32
 
 
 def apply(st: StoreState, event: Any) -> None:
@@ -45,19 +46,22 @@ def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKV
     return page
 
 
-def _maybe_free(pool: PoolState, page: LogicalKVPage) -> None:
-    """Recycle the slot when references, replicas and pins are all zero (§5.3)."""
+def _maybe_free(st: StoreState, pool: PoolState, page: LogicalKVPage) -> None:
+    """With no reference and no pin a page is garbage: free its device and host replicas and
+    recycle the slot, advancing its generation (§5.3)."""
     if page.refs == 0 and page.pins == 0:
         if page.device != NO_PAGE:
             pool.free_pages.add(page.device)
             page.device = NO_PAGE
-        if page.host is None:
-            pool.pages[page.slot] = None
-            pool.gens[page.slot] += 1
-            pool.free_slots.add(page.slot)
+        if page.host is not None:
+            st.host.free(page.host[0])  # type: ignore[union-attr]
+            page.host = None
+        pool.pages[page.slot] = None
+        pool.gens[page.slot] += 1
+        pool.free_slots.add(page.slot)
 
 
-def _unref(pool: PoolState, slot: int, bundle: int, active: bool) -> None:
+def _unref(st: StoreState, pool: PoolState, slot: int, bundle: int, active: bool) -> None:
     page = pool.pages[slot]
     assert page is not None
     page.refs -= 1
@@ -65,7 +69,7 @@ def _unref(pool: PoolState, slot: int, bundle: int, active: bool) -> None:
         page.active_refs -= 1
         if page.writer == bundle:
             page.writer = NO_PAGE
-    _maybe_free(pool, page)
+    _maybe_free(st, pool, page)
 
 
 def _set_committed(pool: PoolState, sp: KVAddressSpace, frontier: int) -> None:
@@ -161,7 +165,7 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     dropped = sp.members[e.keep:]
     del sp.members[e.keep:]
     for slot in dropped:
-        _unref(pool, slot, e.bundle, sp.active)
+        _unref(st, pool, slot, e.bundle, sp.active)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
 
@@ -206,7 +210,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
             if page.writer == e.bundle:
                 page.writer = NO_PAGE
             page.refs -= 1
-            _maybe_free(pool, page)
+            _maybe_free(st, pool, page)
         _drop_space(st, pool, e.bundle)
 
 
@@ -222,7 +226,7 @@ def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
     for slot in sp.members:
-        _unref(pool, slot, e.bundle, False)
+        _unref(st, pool, slot, e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
 
@@ -235,7 +239,7 @@ def _move(st: StoreState, e: ev.Move) -> None:
     pages = pool.pages
     keep = (e.frontier + P - 1) // P
     for slot in src.members[keep:]:
-        _unref(pool, slot, e.src, False)
+        _unref(st, pool, slot, e.src, False)
     dst.members = src.members[:keep]
     for i, slot in enumerate(dst.members):
         page = pages[slot]
@@ -285,6 +289,80 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     pool.reserved -= 1
 
 
+# --- host tier (§5.3) ----------------------------------------------------------------------------
+def _host_configure(st: StoreState, e: ev.HostConfigure) -> None:
+    st.host = ExtentAllocator(e.capacity)
+
+
+def _page_bytes(st: StoreState, pool: str) -> int:
+    return next(s.page_bytes for s in st.pool_specs if s.name == pool)
+
+
+def _host_reserve(st: StoreState, e: ev.HostReserve) -> None:
+    pool = st.pools[e.pool]
+    slots = unpack(e.slots).tolist()
+    offsets = unpack_i64(e.offsets).tolist()
+    size = _page_bytes(st, e.pool)
+    for slot, off in zip(slots, offsets, strict=True):
+        st.host.allocate(off, size)  # type: ignore[union-attr]
+        pool.pages[slot].pins += 1  # type: ignore[union-attr]
+    st.host_pending[offsets[0]] = (e.pool, tuple(slots), tuple(offsets))
+
+
+def _host_publish(st: StoreState, e: ev.HostPublish) -> None:
+    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    pool = st.pools[pool_name]
+    for i, (slot, ep, cov, crc) in enumerate(zip(
+            slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
+            unpack_u32(e.checksums).tolist(), strict=True)):
+        page = pool.pages[slot]
+        assert page is not None
+        if page.host is not None:  # a newer replica replaces the old one
+            st.host.free(page.host[0])  # type: ignore[union-attr]
+        page.host = (offsets[i], ep, cov, crc)
+        page.pins -= 1
+        _maybe_free(st, pool, page)
+
+
+def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
+    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    pool = st.pools[pool_name]
+    for slot, off in zip(slots, offsets, strict=True):
+        st.host.free(off)  # type: ignore[union-attr]
+        page = pool.pages[slot]
+        assert page is not None
+        page.pins -= 1
+        _maybe_free(st, pool, page)
+
+
+def _host_drop(st: StoreState, e: ev.HostDrop) -> None:
+    pool = st.pools[e.pool]
+    for slot in unpack(e.slots).tolist():
+        page = pool.pages[slot]
+        assert page is not None and page.host is not None
+        st.host.free(page.host[0])  # type: ignore[union-attr]
+        page.host = None
+        _maybe_free(st, pool, page)
+
+
+def _device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
+    pool = st.pools[e.pool]
+    for slot in unpack(e.slots).tolist():
+        page = pool.pages[slot]
+        assert page is not None and page.device != NO_PAGE and page.host is not None
+        pool.free_pages.add(page.device)
+        page.device = NO_PAGE
+
+
+def _device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
+    pool = st.pools[e.pool]
+    for slot, dev in zip(unpack(e.slots).tolist(), unpack(e.pages).tolist(), strict=True):
+        page = pool.pages[slot]
+        assert page is not None and page.device == NO_PAGE
+        pool.free_pages.remove(dev)
+        page.device = dev
+
+
 _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Configure: _configure,
     ev.Activate: _activate,
@@ -300,4 +378,11 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Move: _move,
     ev.Fork: _fork,
     ev.CopyTail: _copy_tail,
+    ev.HostConfigure: _host_configure,
+    ev.HostReserve: _host_reserve,
+    ev.HostPublish: _host_publish,
+    ev.HostAbort: _host_abort,
+    ev.HostDrop: _host_drop,
+    ev.DeviceDrop: _device_drop,
+    ev.DeviceRestore: _device_restore,
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ninfer_kv.engine import host
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState
@@ -78,31 +79,40 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
             raise WritePermissionError(f"Move of checkpoint {checkpoint} refused: the caller keeps "
                                        "the source, so it would survive (§9.1); use fork")
         held = span if move else f // P
-        need = pl["entitlement"] - held
+        tail = not move and f % P != 0
+        # pages this activation needs on the device: the held prefix and a COW source tail
+        needed = sp.members[:held] + ([sp.members[f // P]] if tail else [])
+        missing = [s for s in needed if p.pages[s].device == NO_PAGE]  # type: ignore[union-attr]
+        need = pl["entitlement"] - held + len(missing)
         if need > p.available:
-            raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages, "
-                                    f"{p.available} available")
-        pl.update(move=move, held=held)
+            raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
+                                    f"({len(missing)} to restore from host), {p.available} "
+                                    "available")
+        pl.update(move=move, held=held, tail=tail, missing=missing)
     for pool, pl in plans.items():                              # 3. restore Host-only pages
         hook("restore", pool)
         p = st.pools[pool]
-        sp = p.spaces[checkpoint]
-        upto = pl["held"] + (0 if pl["move"] or pl["frontier"] % P == 0 else 1)
-        missing = [s for s in sp.members[:upto]
-                   if p.pages[s].device == NO_PAGE]  # type: ignore[union-attr]
-        if missing:
-            raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: pages {missing[:8]} have "
-                                "no device replica (restore them from the host tier first)")
+        f = pl["frontier"]
+        tail_slot = p.spaces[checkpoint].members[f // P] if pl["tail"] else -1
+        for s in pl["missing"]:
+            cols = f % P if s == tail_slot else P
+            if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
+                raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} has "
+                                    "neither a device replica nor a valid host replica for "
+                                    f"{cols} columns (§5.1)")
+        picks = p.pick_pages(len(pl["missing"]) + (1 if pl["tail"] else 0))
+        pl["restored"] = dict(zip(pl["missing"], picks, strict=False))
+        pl["cow_page"] = picks[-1] if pl["tail"] else -1
     cows: dict[str, tuple[int, int, int, int]] = {}
     for pool, pl in plans.items():                              # 4/5. Move or Fork, COW tail
         hook("move_fork", pool)
         hook("cow", pool)
         p = st.pools[pool]
-        f = pl["frontier"]
-        if not pl["move"] and f % P:
-            src_slot = p.spaces[checkpoint].members[f // P]
-            src_page = p.pages[src_slot].device  # type: ignore[union-attr]
-            cows[pool] = (p.pick_slots(1)[0], p.pick_pages(1)[0], src_slot, src_page)
+        if pl["tail"]:
+            src_slot = p.spaces[checkpoint].members[pl["frontier"] // P]
+            src_page = pl["restored"].get(src_slot,
+                                          p.pages[src_slot].device)  # type: ignore[union-attr]
+            cows[pool] = (p.pick_slots(1)[0], pl["cow_page"], src_slot, src_page)
     rows = {}
     for pool in plans:                                          # 6. lease rows
         hook("rows", pool)
@@ -118,6 +128,10 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
     for pool, pl in plans.items():
         f = pl["frontier"]
         events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total))
+        if pl["restored"]:
+            slots = list(pl["restored"])
+            events.append(ev.DeviceRestore(pool, ev.pack(slots),
+                                           ev.pack([pl["restored"][x] for x in slots])))
         if pl["move"]:
             events.append(ev.Move(checkpoint, dst, pool, f))
         else:
@@ -134,6 +148,8 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
         if isinstance(e, ev.CopyTail):
             store._copies.append(e)
             store.stats["cow_copies"] += 1
+        elif isinstance(e, ev.DeviceRestore):
+            store._restores.append(e)
     for pool in plans:
         store._touch(pool, dst, 0)
     return dst

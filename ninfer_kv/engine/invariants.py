@@ -19,6 +19,7 @@ def violations(st: StoreState) -> list[str]:
     for name, pool in st.pools.items():
         out.extend(f"{name}: {v}" for v in _pool_violations(st, name))
         del pool
+    out.extend(_host_violations(st))
     for bid, b in st.bundles.items():
         for pname in b.pools:
             if bid not in st.pools[pname].spaces:
@@ -117,4 +118,40 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     for s in pool.free_slots:
         if s >= len(pool.pages) or pool.pages[s] is not None:
             out.append(f"free slot {s} is live")
+    return out
+
+
+def _host_violations(st: StoreState) -> list[str]:
+    """Host arena: extents tile the arena; every live extent is one page's published replica
+    or part of an unpublished destination (nothing leaked); pins == pending transfers."""
+    if st.host is None:
+        return []
+    out = list(st.host.violations())
+    owned: dict[int, str] = {}
+    pins: Counter[tuple[str, int]] = Counter()
+    for first, (pool, slots, offsets) in st.host_pending.items():
+        if offsets[0] != first:
+            out.append(f"host transfer keyed {first} starts at {offsets[0]}")
+        for slot, off in zip(slots, offsets, strict=True):
+            owned[off] = f"pending {pool}:{slot}"
+            pins[(pool, slot)] += 1
+    for name, pool in st.pools.items():
+        size = next(s.page_bytes for s in st.pool_specs if s.name == name)
+        for pg in pool.pages:
+            if pg is None:
+                continue
+            if pg.pins != pins[(name, pg.slot)]:
+                out.append(f"page {name}:{pg.slot} pins {pg.pins} != pending transfers "
+                           f"{pins[(name, pg.slot)]}")
+            if pg.host is not None:
+                off = pg.host[0]
+                if off in owned:
+                    out.append(f"host extent {off} owned twice ({owned[off]}, {name}:{pg.slot})")
+                owned[off] = f"{name}:{pg.slot}"
+                if st.host.live.get(off) != -(-size // 64) * 64:
+                    out.append(f"page {name}:{pg.slot} host replica at {off} is not a live "
+                               f"extent of {size} B")
+    leaked = set(st.host.live) - set(owned)
+    if leaked:
+        out.append(f"host extents {sorted(leaked)[:5]} leaked (no page, no pending transfer)")
     return out

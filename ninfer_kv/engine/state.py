@@ -14,16 +14,18 @@ import hashlib
 from typing import Any
 
 import msgspec
-from sortedcontainers import SortedList
+from sortedcontainers import SortedDict, SortedList
 
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
+from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal.events import PoolSpec
 
 
 class StoreState:
-    __slots__ = ("pools", "bundles", "next_bundle", "plan", "pool_specs", "seq")
+    __slots__ = ("pools", "bundles", "next_bundle", "plan", "pool_specs", "seq", "host",
+                 "host_pending")
 
     def __init__(self) -> None:
         self.pools: dict[str, PoolState] = {}
@@ -32,6 +34,9 @@ class StoreState:
         self.plan: dict[str, Any] = {}
         self.pool_specs: list[PoolSpec] = []
         self.seq = 0  # last journal record applied
+        self.host: ExtentAllocator | None = None  # host arena extents (None = no host tier)
+        # unpublished destinations: first offset -> (pool, slots, offsets)
+        self.host_pending: dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def configured(self) -> bool:
@@ -56,6 +61,10 @@ class _StateSnap(msgspec.Struct, array_like=True, gc=False):
     pool_specs: list[PoolSpec]
     pools: list[_PoolSnap]
     bundles: list[tuple[Any, ...]]
+    host_capacity: int = -1
+    host_free: list[tuple[int, int]] = []
+    host_live: list[tuple[int, int]] = []
+    host_pending: list[tuple[int, str, list[int], list[int]]] = []
 
 
 def _canonical(obj: Any) -> Any:
@@ -75,8 +84,15 @@ def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
             [pg.as_tuple() for pg in p.pages if pg is not None],
             [p.spaces[b].as_tuple() for b in sorted(p.spaces)]))
     bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
-    return _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
+    snap = _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
                       list(st.pool_specs), pools, bundles)
+    if st.host is not None:
+        snap.host_capacity = st.host.capacity
+        snap.host_free = list(st.host.by_off.items())
+        snap.host_live = list(st.host.live.items())
+        snap.host_pending = [(o, p, list(s), list(f))
+                             for o, (p, s, f) in sorted(st.host_pending.items())]
+    return snap
 
 
 def encode_state(st: StoreState) -> bytes:
@@ -118,6 +134,14 @@ def decode_state(data: bytes) -> StoreState:
             if sp.row >= 0:
                 p.row_owner[sp.row] = sp.bundle
         st.pools[ps.name] = p
+    if snap.host_capacity >= 0:
+        h = ExtentAllocator(0)
+        h.capacity = snap.host_capacity
+        for off, size in snap.host_free:
+            h._add_free(off, size)
+        h.live = SortedDict(dict(snap.host_live))
+        st.host = h
+        st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]

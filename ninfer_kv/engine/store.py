@@ -17,6 +17,7 @@ Typical step::
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import continuation, growth
+from ninfer_kv.engine import continuation, growth, host
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import (
@@ -40,6 +41,7 @@ from ninfer_kv.engine.capacity import (
     plan_explicit,
 )
 from ninfer_kv.engine.device import UNMAPPED, DeviceState
+from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
@@ -93,6 +95,17 @@ class StoreConfig:
     lease_window: int = 4096
     lease_cushion: int = 64
     """Per-lane cushion: covers the step about to launch and one forced control span."""
+    host_bytes: int = 0
+    """Host arena capacity (spec §3.3); 0 = no host tier."""
+    persist_dir: str | None = None
+    """Persistence: journal in ``<dir>/journal``, host arena file ``<dir>/host_arena.bin``
+    (mmap). Inactive checkpoints with published host replicas survive a crash."""
+
+    @property
+    def journal_path(self) -> str | None:
+        if self.journal_dir is not None:
+            return self.journal_dir
+        return None if self.persist_dir is None else os.path.join(self.persist_dir, "journal")
 
     def plan(self) -> CapacityPlan:
         if self.free_bytes is not None:
@@ -125,11 +138,15 @@ class KVStore:
         self._pending: list[Any] = []
         self._copies: list[ev.CopyTail] = []
         self._touched: dict[tuple[str, int], int] = {}  # (pool, bundle) -> first block to publish
+        self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
+        self._restores: list[ev.DeviceRestore] = []      # H2D copies for the next boundary
+        self.arena: HostArenaBuffer | None = None
         self._frozen = False
         self.fault_hook: Callable[[str, str], None] | None = None
         """Test hook called as (step, pool) at each planning step of an activation."""
         self.recovery = RecoveryReport()
-        self.stats = {"records": 0, "events": 0, "materialized": 0, "cow_copies": 0}
+        self.stats = {"records": 0, "events": 0, "materialized": 0, "cow_copies": 0,
+                      "d2h_pages": 0, "d2h_runs": 0, "h2d_pages": 0, "published": 0}
 
     # --- open / close -----------------------------------------------------------------------
     @classmethod
@@ -141,10 +158,10 @@ class KVStore:
         journal = None
         state = StoreState()
         report = RecoveryReport()
-        if config.journal_dir is not None:
-            journal = Journal.open(config.journal_dir, CODEC,
-                                   JournalOptions(sync=config.sync,
-                                                  segment_bytes=config.segment_bytes))
+        jdir = config.journal_path
+        if jdir is not None:
+            journal = Journal.open(jdir, CODEC, JournalOptions(sync=config.sync,
+                                                               segment_bytes=config.segment_bytes))
 
             def apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
                 for e in CODEC.decode(payload):
@@ -152,7 +169,7 @@ class KVStore:
                 st.seq = seq
 
             state, last, res = recover_state(
-                config.journal_dir, schema_major=CODEC.schema[0], initial=StoreState,
+                jdir, schema_major=CODEC.schema[0], initial=StoreState,
                 load_snapshot=decode_state, apply_record=apply_record,
                 scan_result=journal.recovery)
             report.records = last
@@ -160,42 +177,71 @@ class KVStore:
                            for c in res.cuts]
         store = cls(config, plan, state, journal)
         store.recovery = report
+        if config.host_bytes:
+            path = None
+            if config.persist_dir is not None:
+                os.makedirs(config.persist_dir, exist_ok=True)
+                path = os.path.join(config.persist_dir, "host_arena.bin")
+            store.arena = HostArenaBuffer(config.host_bytes, path)
         if not state.configured:
             store._emit(ev.Configure(specs, plan.to_dict()))
+            if config.host_bytes:
+                store._emit(ev.HostConfigure(config.host_bytes))
         else:
             if state.pool_specs != specs:
-                raise ConfigError(f"journal {config.journal_dir} was written for pools "
+                raise ConfigError(f"journal {jdir} was written for pools "
                                   f"{state.pool_specs}, this config plans {specs}")
+            have = state.host.capacity if state.host is not None else 0
+            if have != config.host_bytes:
+                raise ConfigError(f"journal {jdir} was written with host_bytes={have}, "
+                                  f"this config has {config.host_bytes}")
             store._recover_cleanup()
         store._publish_record()
+        if store.journal is not None:
+            store.journal.sync()
         return store
 
     def _recover_cleanup(self) -> None:
-        """Device contents do not survive a restart: abort actives, release checkpoints whose
-        pages are not all on published host replicas (the host tier keeps the rest)."""
+        """Device contents do not survive a restart. Abort unpublished host destinations and
+        active sequences; keep an inactive checkpoint only when every page has a published,
+        epoch-matching host replica whose bytes still match their checksum; drop the device
+        replicas of what is kept. Report what was kept and dropped, and why."""
         rep = self.recovery
-        for bid, b in sorted(self.state.bundles.items()):
+        st = self.state
+        for off, (pool, _, _) in sorted(st.host_pending.items()):
+            self._emit(ev.HostAbort(pool, off))
+        for bid, b in sorted(st.bundles.items()):
             if b.active:
                 for pool in b.pools:
                     self._emit(ev.Finish(bid, pool, False, "abort:restart"))
                 rep.dropped[bid] = "active at crash"
-                continue
-            reason = continuation.unrecoverable_reason(self.state, bid)
+        for bid in sorted(b for b, x in st.bundles.items() if not x.active):
+            reason = continuation.unrecoverable_reason(st, bid)
+            if reason is None:
+                reason = host.verify_checkpoint(self, bid)
             if reason is None:
                 rep.kept.append(bid)
             else:
-                for pool in b.pools:
-                    self._emit(ev.Release(bid, pool))
+                self._emit(*(ev.Release(bid, pool) for pool in st.bundles[bid].pools))
                 rep.dropped[bid] = reason
-        log.info("store.recovered", records=rep.records, kept=len(rep.kept),
+        for name, pool in st.pools.items():
+            stale = [pg.slot for pg in pool.pages if pg is not None and pg.device != NO_PAGE]
+            if stale:
+                self._emit(ev.DeviceDrop(name, pack(stale)))
+        for bid, why in rep.dropped.items():
+            log.warning("store.recovery_dropped", checkpoint=bid, reason=why)
+        log.info("store.recovered", records=rep.records, kept=rep.kept,
                  dropped=len(rep.dropped), cuts=rep.cuts)
 
     def close(self) -> None:
-        if self._pending:
+        if self._pending or self._transfers:
             self._publish_record()
         if self.journal is not None:
             self.journal.close()
             self.journal = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     def snapshot(self) -> str | None:
         if self.journal is None:
@@ -217,8 +263,7 @@ class KVStore:
         if cur is None or block < cur:
             self._touched[key] = block
 
-    def _publish_record(self) -> int:
-        """Append pending events as one record, then run the device effects in order."""
+    def _append_pending(self) -> int:
         seq = self.state.seq
         if self._pending:
             if self.journal is not None:
@@ -229,6 +274,16 @@ class KVStore:
             self.stats["records"] += 1
             self.stats["events"] += len(self._pending)
             self._pending = []
+        return seq
+
+    def _publish_record(self) -> int:
+        """Append pending events as one record, then run the device effects in order:
+        H2D restores, COW copies, table-slice writes; then complete queued D2H transfers and
+        journal their publication as a second record, synced (a durability point)."""
+        seq = self._append_pending()
+        if self._restores:
+            host.restore_pages(self, self._restores)
+            self._restores.clear()
         for c in self._copies:
             self.device.copy_columns(c.pool, c.src_page, c.page, c.columns)
         self._copies.clear()
@@ -241,6 +296,13 @@ class KVStore:
             ids.extend([UNMAPPED] * (self.plan.L - start - len(ids)))  # no stale entries
             self.device.write_table(pool, sp.row, start, ids)
         self._touched.clear()
+        if self._transfers:
+            published = host.run_transfers(self)
+            self._emit(*published)
+            seq = self._append_pending()
+            if self.journal is not None:
+                self.journal.sync()
+            self.stats["published"] += sum(isinstance(e, ev.HostPublish) for e in published)
         every = self.config.snapshot_every
         if every and self.journal is not None and seq and seq % every == 0:
             self.journal.write_snapshot(encode_state(self.state))
@@ -541,6 +603,18 @@ class KVStore:
 
     def active(self) -> list[int]:
         return [b for b, x in self.state.bundles.items() if x.active]
+
+    # --- host tier (§5.3) — see engine/host.py ---------------------------------------------
+    def offload(self, checkpoint: int, drop_device: bool = False) -> int:
+        """Queue D2H copies of a checkpoint's pages; published (and synced, with a
+        persistence directory) at the next boundary. Returns the pages queued."""
+        self._require_thawed("offload")
+        return host.offload(self, checkpoint, drop_device)
+
+    def drop_device(self, checkpoint: int) -> int:
+        """Free the device page groups of an offloaded inactive checkpoint."""
+        self._require_thawed("drop_device")
+        return host.drop_device(self, checkpoint)
 
     # --- continuation (§7.3, §9) — see engine/continuation.py --------------------------------------
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,

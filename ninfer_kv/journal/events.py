@@ -28,6 +28,24 @@ def pack(values: Any) -> bytes:
     return np.asarray(values, dtype=I32).tobytes()
 
 
+def pack_u32(values: Any) -> bytes:
+    """uint32 values (checksums) -> the same 4 little-endian bytes each."""
+    return np.asarray(values, dtype=np.uint32).astype("<u4").tobytes()
+
+
+def pack_i64(values: Any) -> bytes:
+    """int64 values (host byte offsets) -> little-endian bytes."""
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+def unpack_i64(b: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(b, dtype="<i8")
+
+
+def unpack_u32(b: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(b, dtype="<u4")
+
+
 def unpack(b: bytes | memoryview) -> np.ndarray:
     """little-endian int32 bytes -> read-only int32 array (zero-copy)."""
     return np.frombuffer(b, dtype=I32)
@@ -176,8 +194,69 @@ class CopyTail(_Event, tag="cow"):
     columns: int
 
 
+# --- host tier (spec §5.3): reserve destination -> copy -> verify -> publish -> release --------
+class HostConfigure(_Event, tag="hcfg"):
+    """The host arena's capacity in bytes (fixed at startup, spec §3.3)."""
+
+    capacity: int
+
+
+class HostReserve(_Event, tag="hres"):
+    """Reserve destination extents (int64 byte ``offsets``, one packed host page each) for the
+    pages ``slots`` (logical order); the source pages are pinned while the copy runs. The
+    transfer is named by its first offset."""
+
+    pool: str
+    slots: bytes
+    offsets: bytes
+
+
+class HostPublish(_Event, tag="hpub"):
+    """The copy of transfer ``offset`` completed and was verified: publish host replicas
+    (epoch, committed coverage, CRC-32C of the committed columns) and unpin."""
+
+    pool: str
+    offset: int
+    slots: bytes
+    epochs: bytes
+    coverage: bytes
+    checksums: bytes
+
+
+class HostAbort(_Event, tag="habort"):
+    """Abandon an unpublished destination extent (never entered any address space)."""
+
+    pool: str
+    offset: int
+
+
+class HostDrop(_Event, tag="hdrop"):
+    """Drop the host replicas of ``slots``; an extent frees when its last page leaves."""
+
+    pool: str
+    slots: bytes
+
+
+class DeviceDrop(_Event, tag="ddrop"):
+    """Drop the device replicas of ``slots`` (each has a valid host replica): their page
+    groups return to the pool."""
+
+    pool: str
+    slots: bytes
+
+
+class DeviceRestore(_Event, tag="drest"):
+    """H2D: host-only pages ``slots`` get device page groups ``pages`` (copied at the boundary
+    before any table publication)."""
+
+    pool: str
+    slots: bytes
+    pages: bytes
+
+
 Event = (Configure | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
-         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail)
+         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail | HostConfigure
+         | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore)
 
 
 class EventCodec:
@@ -201,8 +280,14 @@ def to_jsonable(event: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"type": type(event).__struct_config__.tag}
     for name in event.__struct_fields__:
         v = getattr(event, name)
-        out[name] = unpack(v).tolist() if isinstance(v, bytes) else v
+        if isinstance(v, bytes):
+            v = np.frombuffer(v, dtype=_ARRAY_DTYPES.get(name, I32)).tolist()
+        out[name] = v
     return out
+
+
+_ARRAY_DTYPES = {"offsets": np.dtype("<i8"), "checksums": np.dtype("<u4")}
+"""Packed array fields that are not int32."""
 
 
 CODEC = EventCodec()

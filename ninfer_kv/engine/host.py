@@ -1,0 +1,222 @@
+"""Host tier commands and effects (spec §3.3, §5.3): offload (D2H), device-replica drop,
+restore (H2D), checksums, and what recovery keeps.
+
+Publication order of a replacement replica (§5.3), as this module runs it::
+
+    offload():        plan extents for the whole recipe -> HostReserve (pins pages)    [record n]
+    boundary effects: D2H copy, coalesced into runs -> zero uncommitted columns ->
+                      CRC-32C per page -> verify epoch and coverage -> flush the arena
+    then:             HostPublish (+ DeviceDrop if asked) -> journal.sync()           [record n+1]
+
+A crash between the two records leaves an unpublished destination, which recovery aborts.
+Host pages are packed in logical order, every plane of the pool back to back (H rows of
+P*X*itemsize bytes each), with no device ids and no table holes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+import torch
+from crc32c import crc32c
+
+from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.state import StoreState
+from ninfer_kv.errors import HostArenaError, UnknownHandle
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import pack, pack_i64, pack_u32
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Transfer:
+    """A D2H copy queued for the next boundary."""
+
+    pool: str
+    slots: list[int]
+    offsets: list[int]
+    drop_device: bool
+
+
+def replica_valid(page: LogicalKVPage, columns: int) -> bool:
+    """§5.1: valid for the first ``columns`` columns iff epoch matches and coverage >= n."""
+    return page.host is not None and page.host[1] == page.epoch and page.host[2] >= columns
+
+
+def _page_bytes(st: StoreState, pool: str) -> int:
+    return next(s.page_bytes for s in st.pool_specs if s.name == pool)
+
+
+def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
+    """Queue D2H copies of every page of an inactive checkpoint that lacks a valid host
+    replica. Returns the number of pages queued (0: already fully offloaded)."""
+    st = store.state
+    b = st.bundles.get(checkpoint)
+    if b is None or b.active:
+        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    if st.host is None or store.arena is None:
+        raise HostArenaError("the store was opened without a host arena (host_bytes=0)")
+    recipe: list[tuple[str, list[int]]] = []
+    for pool in b.pools:
+        p = st.pools[pool]
+        todo = []
+        for slot in p.spaces[checkpoint].members:
+            pg = p.pages[slot]
+            assert pg is not None
+            if pg.pins == 0 and not replica_valid(pg, pg.committed) and pg.device != NO_PAGE:
+                todo.append(slot)
+        if todo:
+            recipe.append((pool, todo))
+    if not recipe:
+        return 0
+    sizes = [_page_bytes(st, pool) for pool, slots in recipe for _ in slots]
+    offsets = st.host.plan([], sizes)
+    if offsets is None:
+        raise HostArenaError(f"host arena cannot place {len(sizes)} pages ({sum(sizes)} B) for "
+                             f"checkpoint {checkpoint}: free {st.host.free_bytes} B of "
+                             f"{st.host.capacity} B, largest extent too small or fragmented")
+    events = []
+    i = 0
+    for pool, slots in recipe:
+        offs = offsets[i:i + len(slots)]
+        i += len(slots)
+        events.append(ev.HostReserve(pool, pack(slots), pack_i64(offs)))
+        store._transfers.append(Transfer(pool, slots, offs, drop_device))
+    store._emit(*events)
+    return len(sizes)
+
+
+def drop_device(store: KVStore, checkpoint: int) -> int:
+    """Drop device replicas of a checkpoint's pages that only inactive spaces reference and
+    that have a valid host replica; their page groups return to the pool."""
+    st = store.state
+    b = st.bundles.get(checkpoint)
+    if b is None or b.active:
+        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    events = []
+    n = 0
+    for pool in b.pools:
+        p = st.pools[pool]
+        slots = [s for s in p.spaces[checkpoint].members
+                 if (pg := p.pages[s]) is not None and pg.device != NO_PAGE and pg.pins == 0
+                 and pg.active_refs == 0 and replica_valid(pg, pg.committed)]
+        if slots:
+            events.append(ev.DeviceDrop(pool, pack(slots)))
+            n += len(slots)
+    store._emit(*events)
+    return n
+
+
+# --- effects at the boundary ------------------------------------------------------------------
+def zero_uncommitted(host_page: np.ndarray, planes: list[torch.Tensor], order: PlaneOrder,
+                     committed: int) -> None:
+    """Bytes past the committed columns are not part of the replica: make them zero."""
+    off = 0
+    for t in planes:
+        h = t.shape[1] if order is PlaneOrder.PAGE_MAJOR else t.shape[0]
+        rows, xb = t.shape[2], t.shape[3] * t.element_size()
+        n = h * rows * xb
+        region = host_page[off:off + n].reshape(h, rows, xb)
+        region[:, committed:, :] = 0
+        off += n
+
+
+def page_checksum(host_page: np.ndarray) -> int:
+    return crc32c(host_page)
+
+
+def runs(ids: list[int]) -> int:
+    """Number of runs of adjacent ids (what a coalescing DMA would issue)."""
+    return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
+
+
+def run_transfers(store: KVStore) -> list[ev.HostPublish | ev.DeviceDrop]:
+    """Run queued D2H copies; return the publish events (verified) to journal next."""
+    from ninfer_kv.kernels.copy import pack_pages
+
+    st = store.state
+    out: list[ev.HostPublish | ev.DeviceDrop] = []
+    arena = store.arena
+    assert arena is not None
+    for tr in store._transfers:
+        p = st.pools[tr.pool]
+        pb = _page_bytes(st, tr.pool)
+        planes = store.device.planes(tr.pool)
+        order = store.device.pools[tr.pool].geometry.order
+        pages = [p.pages[s] for s in tr.slots]
+        dev_ids = [pg.device for pg in pages]  # type: ignore[union-attr]
+        # coalesce host-contiguous offsets into runs: one pack per run
+        start = 0
+        for i in range(1, len(tr.offsets) + 1):
+            if i == len(tr.offsets) or tr.offsets[i] != tr.offsets[i - 1] + pb:
+                if planes:
+                    pack_pages(planes, order, dev_ids[start:i],
+                               arena.pages(tr.offsets[start], i - start, pb))
+                start = i
+        store.stats["d2h_pages"] += len(dev_ids)
+        store.stats["d2h_runs"] += runs(dev_ids)
+        if planes and planes[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copy must complete before publish
+        epochs, cov, crcs = [], [], []
+        for pg, off in zip(pages, tr.offsets, strict=True):
+            assert pg is not None and pg.pins > 0, "source must stay pinned during the copy"
+            host = arena.data[off:off + pb].numpy()
+            zero_uncommitted(host, planes, order, pg.committed)
+            epochs.append(pg.epoch)
+            cov.append(pg.committed)
+            crcs.append(page_checksum(host))
+        out.append(ev.HostPublish(tr.pool, tr.offsets[0], pack(tr.slots), pack(epochs),
+                                  pack(cov), pack_u32(crcs)))
+        if tr.drop_device:
+            out.append(ev.DeviceDrop(tr.pool, pack(tr.slots)))
+    store._transfers.clear()
+    arena.flush()
+    return out
+
+
+def restore_pages(store: KVStore, restores: list[ev.DeviceRestore]) -> None:
+    """H2D for DeviceRestore events: unpack host pages into their new device page groups."""
+    from ninfer_kv.kernels.copy import unpack_pages
+
+    st = store.state
+    arena = store.arena
+    for r in restores:
+        planes = store.device.planes(r.pool)
+        if not planes or arena is None:
+            continue
+        pb = _page_bytes(st, r.pool)
+        order = store.device.pools[r.pool].geometry.order
+        p = st.pools[r.pool]
+        for slot, dev in zip(ev.unpack(r.slots).tolist(), ev.unpack(r.pages).tolist(),
+                             strict=True):
+            pg = p.pages[slot]
+            assert pg is not None and pg.host is not None
+            unpack_pages(planes, order, arena.pages(pg.host[0], 1, pb), [dev])
+        store.stats["h2d_pages"] += len(ev.unpack(r.pages))
+
+
+def verify_checkpoint(store: KVStore, bundle: int) -> str | None:
+    """Recompute every host page's CRC from the arena; None when all match."""
+    st = store.state
+    arena = store.arena
+    if arena is None:
+        return "no host arena"
+    for pool in st.bundles[bundle].pools:
+        p = st.pools[pool]
+        pb = _page_bytes(st, pool)
+        for i, slot in enumerate(p.spaces[bundle].members):
+            pg = p.pages[slot]
+            assert pg is not None and pg.host is not None
+            got = page_checksum(arena.data[pg.host[0]:pg.host[0] + pb].numpy())
+            if got != pg.host[3]:
+                return (f"pool {pool} block {i} (page {pool}:{slot}): host checksum "
+                        f"{got:#010x} != published {pg.host[3]:#010x}")
+    return None
