@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ninfer-kv demo
+	$(BIN)/ninfer-kv demo --out out/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check ninfer_kv tests benchmarks

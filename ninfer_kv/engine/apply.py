@@ -363,8 +363,13 @@ def _device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
         page.device = dev
 
 
+def _recovered(st: StoreState, e: ev.Recovered) -> None:
+    """A marker for tools; the state changes follow as ordinary events."""
+
+
 _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Configure: _configure,
+    ev.Recovered: _recovered,
     ev.Activate: _activate,
     ev.PublishActive: _publish,
     ev.Materialize: _materialize,

@@ -127,7 +127,8 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
     events: list[Any] = []
     for pool, pl in plans.items():
         f = pl["frontier"]
-        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total))
+        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total,
+                                  prompt_tokens))
         if pl["restored"]:
             slots = list(pl["restored"])
             events.append(ev.DeviceRestore(pool, ev.pack(slots),

@@ -228,6 +228,8 @@ class KVStore:
             stale = [pg.slot for pg in pool.pages if pg is not None and pg.device != NO_PAGE]
             if stale:
                 self._emit(ev.DeviceDrop(name, pack(stale)))
+        self._pending.insert(0, ev.Recovered(rep.records, pack(rep.kept),
+                                             pack(sorted(rep.dropped))))
         for bid, why in rep.dropped.items():
             log.warning("store.recovery_dropped", checkpoint=bid, reason=why)
         log.info("store.recovered", records=rep.records, kept=rep.kept,
@@ -398,7 +400,8 @@ class KVStore:
         plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
         bundle = self.state.next_bundle
-        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows[0], total)
+        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows[0], total,
+                              prompt_tokens)
                   for p, n in plan.items()]
         self._emit(*events, ev.PublishActive(bundle))
         for p in plan:

@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 0)
+SCHEMA: tuple[int, int] = (1, 1)
+"""1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible)."""
 
 I32 = np.dtype("<i4")
 
@@ -83,6 +84,17 @@ class Activate(_Event, tag="act"):
     row: int
     budget: int = 0
     """prompt + output budget in tokens (bounds kv_lease_growth); 0 = unknown."""
+    prompt: int = 0
+    """prompt tokens (for tools: prefix-hit ratios); 0 = unknown."""
+
+
+class Recovered(_Event, tag="recov"):
+    """First event of the record written when a store reopens an existing journal: device
+    contents are gone; ``kept``/``dropped`` list the inactive checkpoints by id."""
+
+    records: int
+    kept: bytes
+    dropped: bytes
 
 
 class PublishActive(_Event, tag="pub"):
@@ -254,7 +266,7 @@ class DeviceRestore(_Event, tag="drest"):
     pages: bytes
 
 
-Event = (Configure | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
+Event = (Configure | Recovered | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
          | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail | HostConfigure
          | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore)
 

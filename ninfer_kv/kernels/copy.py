@@ -42,7 +42,7 @@ def row_bytes(t: torch.Tensor) -> int:
     return t.shape[2] * t.shape[3] * t.element_size()
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
     n = src_ids.shape[0]
     outer, mid = src.shape[0], src.shape[2]

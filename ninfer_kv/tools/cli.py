@@ -6,8 +6,6 @@ Errors of the store (``KVStoreError``) become one line on stderr and exit code 2
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
@@ -18,18 +16,15 @@ Handler = Callable[[argparse.Namespace, Console], int]
 _COMMANDS: dict[str, Handler] = {}
 
 
-def emit_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, indent=None, sort_keys=False, default=str) + "\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from ninfer_kv.tools import plan_cmd
+    from ninfer_kv.tools import journal_cmds, plan_cmd, run_cmds
 
     parser = argparse.ArgumentParser(prog="ninfer-kv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (plan_cmd,):
-        name, handler = module.register(sub)
-        _COMMANDS[name] = handler
+    name, handler = plan_cmd.register(sub)
+    _COMMANDS[name] = handler
+    _COMMANDS.update(journal_cmds.register(sub))
+    _COMMANDS.update(run_cmds.register(sub))
     return parser
 
 

@@ -22,6 +22,7 @@ from ninfer_kv.engine.capacity import (
 )
 from ninfer_kv.engine.layout import Profile
 from ninfer_kv.errors import ConfigError
+from ninfer_kv.tools.output import emit_json
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
@@ -74,8 +75,6 @@ def register(sub: argparse._SubParsersAction) -> tuple[str, Callable[..., int]]:
 
 
 def run(a: argparse.Namespace, console: Console) -> int:
-    from ninfer_kv.tools.cli import emit_json
-
     plan = plan_from_args(a)
     d = plan.to_dict()
     if a.json:

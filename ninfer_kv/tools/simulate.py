@@ -23,7 +23,7 @@ from typing import Any
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore, StoreConfig
-from ninfer_kv.errors import CapacityExhausted
+from ninfer_kv.errors import CapacityExhausted, HostArenaError
 from ninfer_kv.journal.log import SyncPolicy
 
 HASH_BLOCK = 512
@@ -64,10 +64,13 @@ class SimOptions:
     draft_window: int = 4
     accept_rate: float = 0.7
     offload: bool = False
+    host_bytes: int = 1 << 30
     round_ms: float = 25.0
     seed: int = 0
     journal_dir: str | None = None
     allocate_planes: bool = False
+    scale: int = 1
+    """Divide prompt/output lengths and the 512-token hash block by this (small demos)."""
 
 
 @dataclass(slots=True)
@@ -81,6 +84,8 @@ class SimResult:
     request_steps: int = 0
     peak_occupancy: float = 0.0
     evictions: int = 0
+    demotions: int = 0
+    offloaded_pages: int = 0
     cow_copies: int = 0
     activations: int = 0
     store_seconds: float = 0.0
@@ -100,6 +105,7 @@ class SimResult:
             "prefix_hit_ratio": round(self.hit_ratio, 4), "output_tokens": self.output_tokens,
             "rounds": self.rounds, "request_steps": self.request_steps,
             "peak_occupancy": round(self.peak_occupancy, 4), "evictions": self.evictions,
+            "demotions": self.demotions, "offloaded_pages": self.offloaded_pages,
             "cow_copies": self.cow_copies, "activations": self.activations,
             "us_per_request_step": round(self.store_seconds / max(1, self.request_steps) * 1e6, 3),
             "us_per_activation": round(self.activation_seconds / max(1, self.activations) * 1e6,
@@ -115,6 +121,7 @@ class LruRetention:
         self.lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # checkpoint -> hash ids
         self.by_block: dict[int, set[int]] = {}
         self.used: dict[int, int] = {}
+        self.demoted: set[int] = set()
         self._tick = 0
 
     def _touch(self, ck: int) -> None:
@@ -130,6 +137,7 @@ class LruRetention:
 
     def remove(self, ck: int) -> None:
         del self.used[ck]
+        self.demoted.discard(ck)
         for h in self.lru.pop(ck):
             s = self.by_block.get(h)
             if s is not None:
@@ -154,6 +162,10 @@ class LruRetention:
         return best, k
 
     def victim(self) -> int | None:
+        """Least recently used; checkpoints already demoted to host go last in line."""
+        for ck in self.lru:
+            if ck not in self.demoted:
+                return ck
         return next(iter(self.lru), None)
 
 
@@ -172,7 +184,8 @@ def make_store(opts: SimOptions) -> KVStore:
                             draft_window=opts.draft_window)
     cfg = StoreConfig(model=model, serving=serving, kv_tokens=opts.kv_tokens,
                       journal_dir=opts.journal_dir, sync=SyncPolicy.OFF,
-                      allocate_planes=opts.allocate_planes)
+                      allocate_planes=opts.allocate_planes,
+                      host_bytes=opts.host_bytes if opts.offload else 0)
     return KVStore.open(cfg)
 
 
@@ -180,6 +193,9 @@ def simulate(requests: list[Request], opts: SimOptions,
              on_round: Callable[[KVStore, SimResult], None] | None = None,
              store: KVStore | None = None) -> tuple[KVStore, SimResult]:
     rng = random.Random(opts.seed)
+    if opts.scale > 1:
+        requests = [Request(r.rid, r.arrival_ms, max(2, r.prompt // opts.scale),
+                            max(1, r.output // opts.scale), r.hash_ids) for r in requests]
     store = store or make_store(opts)
     res = SimResult()
     cache = LruRetention()
@@ -213,7 +229,7 @@ def simulate(requests: list[Request], opts: SimOptions,
                 res.skipped += 1
                 queue.pop(0)
                 continue
-            r = _admit(store, req, cache, res, timed, k)
+            r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale))
             if r is None:
                 break
             queue.pop(0)
@@ -255,6 +271,8 @@ def simulate(requests: list[Request], opts: SimOptions,
             ck = timed(store.finish, r.seq, retain=True)
             cache.add(ck, r.req.hash_ids)
             running.remove(r)
+            if opts.offload:
+                _offload(store, ck, cache, res, timed)
         running.extend(admitted)
         res.rounds += 1
         occ = store.occupancy()["main"]
@@ -275,13 +293,13 @@ def simulate(requests: list[Request], opts: SimOptions,
 
 
 def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
-           timed: Callable[..., Any], k: int) -> _Running | None:
+           timed: Callable[..., Any], k: int, block: int = HASH_BLOCK) -> _Running | None:
     while True:
         ck, blocks = cache.lookup(req.hash_ids)
         t0 = time.perf_counter()
         try:
             if ck is not None:
-                f = min(blocks * HASH_BLOCK, req.prompt - 1,
+                f = min(blocks * block, req.prompt - 1,
                         *(store.space(ck, p).committed for p in store.pools))
                 seq = timed(store.activate_from, ck, f, req.prompt, req.output + k - 1,
                             keep_source=True)
@@ -293,6 +311,13 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
             victim = cache.victim()
             if victim is None:
                 return None  # wait for running requests to finish
+            if store.arena is not None and timed(store.drop_device, victim):
+                res.demotions += 1  # device pages freed, the checkpoint lives on in host
+                cache.lru.move_to_end(victim, last=False)
+                cache.demoted.add(victim)
+                if all(c in cache.demoted for c in cache.lru):
+                    cache.demoted.clear()
+                continue
             cache.remove(victim)
             timed(store.release, victim)
             res.evictions += 1
@@ -304,6 +329,23 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
         res.prefix_hit_tokens += hit
         frontier = store.space(seq).committed
         return _Running(req, seq, frontier, req.prompt + req.output)
+
+
+def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
+             timed: Callable[..., Any]) -> None:
+    """Copy a fresh checkpoint to the host tier; when the arena is full, release the least
+    recently used checkpoints until it fits (or give up on this one)."""
+    for _ in range(8):
+        try:
+            res.offloaded_pages += timed(store.offload, ck)
+            return
+        except HostArenaError:
+            victim = cache.victim()
+            if victim is None or victim == ck:
+                return
+            cache.remove(victim)
+            timed(store.release, victim)
+            res.evictions += 1
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:

@@ -1,0 +1,296 @@
+"""Journal tools: ``replay``, ``inspect``, ``dump``, ``events`` — what an engine developer
+reaches for when a prefix cache misses, a page leaks or a run crashed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.state import StoreState, digest
+from ninfer_kv.errors import KVStoreError
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.reader import JournalReader
+from ninfer_kv.replay import replay
+from ninfer_kv.tools.output import emit_json
+
+Command = Callable[[argparse.Namespace, Console], int]
+
+
+def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
+    p = sub.add_parser("replay", help="rebuild state from a journal; verify invariants")
+    p.add_argument("dir", help="journal directory")
+    p.add_argument("--verify", action="store_true", help="check invariants after every event")
+    p.add_argument("--every", type=int, default=1, help="with --verify: every N events")
+    p.add_argument("--until", type=int, default=None, help="stop after this record")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("inspect", help="occupancy, address spaces, one page and its history")
+    p.add_argument("dir")
+    p.add_argument("--at", type=int, default=None, help="state after this record")
+    p.add_argument("--seq", type=int, default=None, help="only this sequence/checkpoint")
+    p.add_argument("--page", default=None, help="POOL:SLOT, e.g. main:12")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("dump", help="the journal as NDJSON, one event per line (for jq)")
+    p.add_argument("dir")
+    p.add_argument("--from", dest="from_seq", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="(NDJSON is already JSON)")
+    p = sub.add_parser("events", help="KV-event stream: BlockStored / BlockRemoved / "
+                                      "AllBlocksCleared (vLLM's shape) + removal reason")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="NDJSON (default: a table)")
+    return {"replay": run_replay, "inspect": run_inspect, "dump": run_dump,
+            "events": run_events}
+
+
+# --- replay -------------------------------------------------------------------------------------
+def run_replay(a: argparse.Namespace, console: Console) -> int:
+    last = JournalReader(a.dir).last_seq
+    with Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeRemainingColumn(), console=Console(stderr=True),
+                  disable=a.json or last < 2000, transient=True) as bar:
+        task = bar.add_task("replay", total=min(last, a.until or last))
+        res = replay(a.dir, verify_every=a.every if a.verify else 0, until_record=a.until,
+                     progress=lambda seq, _: bar.update(task, completed=seq))
+    out = {"records": res.records, "events": res.events, "digest": res.digest,
+           "events_per_s": round(res.events_per_s), "seconds": round(res.seconds, 4),
+           "violations": [{"record": v.seq, "event_index": v.index, "event": v.event,
+                           "problems": v.problems} for v in res.violations]}
+    if a.json:
+        emit_json(out)
+    else:
+        console.print(f"replayed {res.records} records, {res.events} events in "
+                      f"{res.seconds * 1e3:.1f} ms ({res.events_per_s:,.0f} events/s)")
+        console.print(f"digest [bold]{res.digest}[/bold]")
+        for v in res.violations:
+            console.print(f"[red]violation[/red] after record {v.seq} event {v.index} "
+                          f"({v.event}): " + "; ".join(v.problems[:3]))
+        if not res.violations:
+            how = (f" (checked every {a.every} events)" if a.every > 1 else
+                   " (checked after every event)") if a.verify else " (checked at the end)"
+            console.print("invariants: [green]clean[/green]" + how)
+    return 1 if res.violations else 0
+
+
+# --- inspect ------------------------------------------------------------------------------------
+def _touches(st: StoreState, e: Any, pool: str, slot: int) -> bool:
+    """Does event ``e`` (about to be applied to ``st``) touch page ``pool:slot``?"""
+    if getattr(e, "pool", None) != pool:
+        return False
+    for field in ("slots", "src_slot", "slot"):
+        v = getattr(e, field, None)
+        if isinstance(v, bytes) and slot in ev.unpack(v).tolist():
+            return True
+        if isinstance(v, int) and v == slot:
+            return True
+    if isinstance(e, ev.HostPublish | ev.HostAbort):
+        return slot in st.host_pending.get(e.offset, ("", (), ()))[1]
+    p = st.pools.get(pool)
+    if p is None:
+        return False
+    bundles = []
+    for field in ("bundle", "src", "dst"):
+        if isinstance(getattr(e, field, None), int):
+            bundles.append(getattr(e, field))
+    if isinstance(getattr(e, "bundles", None), bytes):
+        bundles.extend(ev.unpack(e.bundles).tolist())
+    return any(b in p.spaces and slot in p.spaces[b].members for b in bundles)
+
+
+def state_at(directory: str, at: int | None,
+             page: tuple[str, int] | None = None) -> tuple[StoreState, list[dict[str, Any]]]:
+    st = StoreState()
+    history: list[dict[str, Any]] = []
+    for seq, events in JournalReader(directory).records():
+        if at is not None and seq > at:
+            break
+        for i, e in enumerate(events):
+            if page is not None and _touches(st, e, *page):
+                history.append({"record": seq, "event_index": i, **ev.to_jsonable(e)})
+            apply(st, e)
+        st.seq = seq
+    return st, history
+
+
+def describe(st: StoreState, seq: int | None = None) -> dict[str, Any]:
+    pools = {}
+    for name, p in st.pools.items():
+        pools[name] = {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
+                       "available": p.available, "rows_leased": len(p.row_owner),
+                       "live_pages": sum(pg is not None for pg in p.pages)}
+    spaces = []
+    for name, p in st.pools.items():
+        for b in sorted(p.spaces):
+            if seq is not None and b != seq:
+                continue
+            sp = p.spaces[b]
+            spaces.append({"seq": b, "pool": name, "active": sp.active,
+                           "committed": sp.committed, "provisional": sp.provisional,
+                           "protected": sp.protected, "entitlement": sp.entitlement,
+                           "reserved": sp.reserved, "pages": len(sp.members), "row": sp.row,
+                           "members": list(sp.members)})
+    host = None
+    if st.host is not None:
+        host = {"capacity": st.host.capacity, "live_bytes": st.host.live_bytes,
+                "free_bytes": st.host.free_bytes, "extents": len(st.host.live),
+                "pending_transfers": len(st.host_pending)}
+    return {"record": st.seq, "digest": digest(st), "pools": pools, "host_arena": host,
+            "address_spaces": spaces}
+
+
+def page_descriptor(st: StoreState, pool: str, slot: int) -> dict[str, Any] | None:
+    p = st.pools.get(pool)
+    pg = p.pages[slot] if p is not None and 0 <= slot < len(p.pages) else None
+    if pg is None:
+        return None
+    return {"pool": pool, "slot": pg.slot, "generation": pg.gen, "epoch": pg.epoch,
+            "committed_columns": pg.committed, "protected_columns": pg.protected,
+            "refs": pg.refs, "active_refs": pg.active_refs, "writer": pg.writer,
+            "device_page": pg.device, "pins": pg.pins,
+            "host": None if pg.host is None else dict(zip(
+                ("offset", "epoch", "coverage", "crc32c"), pg.host, strict=True)),
+            "members_of": [b for b, sp in p.spaces.items() if slot in sp.members]}
+
+
+def run_inspect(a: argparse.Namespace, console: Console) -> int:
+    page = None
+    if a.page:
+        pool, _, slot = a.page.partition(":")
+        if not slot.isdigit():
+            raise KVStoreError(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
+        page = (pool, int(slot))
+    st, history = state_at(a.dir, a.at, page)
+    out = describe(st, a.seq)
+    if page is not None:
+        out["page"] = page_descriptor(st, *page)
+        out["page_history"] = history
+    if a.json:
+        emit_json(out)
+        return 0
+    console.print(f"state after record {out['record']} — digest {out['digest']}")
+    t = Table(title="pools (page groups)")
+    for col in ("pool", "capacity", "allocated", "reserved", "available", "rows_leased",
+                "live_pages"):
+        t.add_column(col, justify="left" if col == "pool" else "right")
+    for name, d in out["pools"].items():
+        t.add_row(name, *(str(d[k]) for k in ("capacity", "allocated", "reserved", "available",
+                                               "rows_leased", "live_pages")))
+    console.print(t)
+    if out["host_arena"]:
+        h = out["host_arena"]
+        console.print(f"host arena: {h['live_bytes']:,} B live in {h['extents']} extents, "
+                      f"{h['free_bytes']:,} B free of {h['capacity']:,} B, "
+                      f"{h['pending_transfers']} transfers in flight")
+    t = Table(title="address spaces")
+    for col in ("seq", "pool", "state", "committed", "provisional", "protected", "entitlement",
+                "pages", "row"):
+        t.add_column(col)
+    for s in out["address_spaces"][:200]:
+        t.add_row(str(s["seq"]), s["pool"], "active" if s["active"] else "checkpoint",
+                  str(s["committed"]), str(s["provisional"]), str(s["protected"]),
+                  str(s["entitlement"]), str(s["pages"]), str(s["row"]))
+    console.print(t)
+    if page is not None:
+        console.print(f"page {a.page}: {out['page'] or 'not live at this record'}")
+        t = Table(title=f"history of page {a.page}")
+        t.add_column("record")
+        t.add_column("event")
+        t.add_column("fields")
+        for h in history:
+            fields = {k: v for k, v in h.items() if k not in ("record", "event_index", "type")}
+            t.add_row(str(h["record"]), h["type"], str(fields)[:100])
+        console.print(t)
+    return 0
+
+
+# --- dump ---------------------------------------------------------------------------------------
+def run_dump(a: argparse.Namespace, console: Console) -> int:
+    JournalReader(a.dir).export_ndjson(sys.stdout.buffer, a.from_seq)
+    sys.stdout.flush()
+    return 0
+
+
+# --- events (router KV-event stream) --------------------------------------------------------
+def block_hash(pool: str, slot: int, gen: int) -> str:
+    return f"{pool}:{slot}@{gen}"
+
+
+def kv_events(directory: str) -> Iterator[dict[str, Any]]:
+    """vLLM-shaped KV events derived from the journal: BlockStored when pages become reusable
+    (a retained checkpoint on GPU, a published host replica on CPU), BlockRemoved with the
+    reason our journal knows, AllBlocksCleared(GPU) on a restart."""
+    st = StoreState()
+    for seq, events in JournalReader(directory).records():
+        for e in events:
+            before: dict[tuple[str, int], int] = {}
+            reason = _removal_reason(e)
+            if reason is not None:  # remember live pages of the pool to diff after apply
+                pool = st.pools.get(getattr(e, "pool", ""))
+                if pool is not None:
+                    before = {(pool.name, pg.slot): pg.gen for pg in pool.pages if pg is not None}
+            if isinstance(e, ev.Recovered):
+                yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU",
+                       "reason": "restart"}
+            if isinstance(e, ev.HostPublish):
+                pool_name, slots, _ = st.host_pending[e.offset]
+                pool = st.pools[pool_name]
+                yield {"record": seq, "type": "BlockStored", "medium": "CPU",
+                       "block_hashes": [block_hash(pool_name, s, pool.gens[s]) for s in slots],
+                       "parent_block_hash": None, "block_size": 64}
+            if isinstance(e, ev.DeviceDrop):
+                pool = st.pools[e.pool]
+                yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
+                       "reason": "demoted-to-host",
+                       "block_hashes": [block_hash(e.pool, s, pool.gens[s])
+                                        for s in ev.unpack(e.slots).tolist()]}
+            apply(st, e)
+            if isinstance(e, ev.Finish) and e.retain:
+                p = st.pools[e.pool]
+                members = p.spaces[e.bundle].members
+                hashes = [block_hash(e.pool, s, p.gens[s]) for s in members]
+                if hashes:
+                    yield {"record": seq, "type": "BlockStored", "medium": "GPU",
+                           "block_hashes": hashes, "parent_block_hash": None,
+                           "block_size": 64, "token_count": p.spaces[e.bundle].committed}
+            if before:
+                pool = st.pools[e.pool]
+                gone = [block_hash(name, slot, gen) for (name, slot), gen in before.items()
+                        if pool.pages[slot] is None or pool.pages[slot].gen != gen]
+                if gone:
+                    yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
+                           "reason": reason, "block_hashes": gone}
+
+
+def _removal_reason(e: Any) -> str | None:
+    if isinstance(e, ev.Release):
+        return "evicted"  # the caller's retention policy released the checkpoint
+    if isinstance(e, ev.Finish):
+        return "aborted-restart" if e.reason.startswith("abort") else "finished"
+    if isinstance(e, ev.Trim):
+        return "trimmed"
+    if isinstance(e, ev.Move):
+        return "truncated-by-move"
+    if isinstance(e, ev.HostAbort):
+        return "transfer-aborted"
+    return None
+
+
+def run_events(a: argparse.Namespace, console: Console) -> int:
+    stream = kv_events(a.dir)
+    if a.json:
+        for item in stream:
+            emit_json(item)
+        return 0
+    t = Table(title="KV events")
+    for col in ("record", "type", "medium", "reason", "blocks"):
+        t.add_column(col)
+    for item in stream:
+        t.add_row(str(item["record"]), item["type"], item.get("medium", ""),
+                  item.get("reason", "") or "", str(len(item.get("block_hashes", []))))
+    console.print(t)
+    return 0

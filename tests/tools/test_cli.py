@@ -1,0 +1,157 @@
+"""Every CLI command on a small journal, with --json parsed back; replay/inspect/diff
+semantics; the plot's data (not its pixels)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.journal.events import CODEC, CommitFrontiers, pack, unpack
+from ninfer_kv.journal.log import Journal, JournalOptions
+from ninfer_kv.journal.reader import JournalReader
+from ninfer_kv.replay import diff, replay
+from ninfer_kv.tools.cli import main
+from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, make_store, simulate
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("cli")
+    journal = str(d / "journal")
+    opts = SimOptions(max_concurrency=6, max_context=8192, kv_tokens=24576, layers=1,
+                      kv_heads=1, head_dim=64, mtp=True, offload=True, host_bytes=16 << 20,
+                      journal_dir=journal, allocate_planes=True, scale=8, seed=3)
+    store = make_store(opts)
+    captured: dict[int, str] = {}
+    close = store.close_boundary
+
+    def close_and_capture() -> int:
+        seq = close()
+        if len(captured) < 40:
+            captured[seq] = store.digest()
+        return seq
+
+    store.close_boundary = close_and_capture  # type: ignore[method-assign]
+    store, res = simulate(load_trace(DEFAULT_TRACE, 60), opts, store=store)
+    live = store.digest()
+    store.close()
+    return {"dir": d, "journal": journal, "live": live, "res": res, "captured": captured}
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_replay_json_matches_live(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = cli_json(capsys, "replay", run["journal"], "--verify", "--every", "7")
+    assert {"records", "events", "digest", "violations"} <= set(out)
+    assert out["digest"] == run["live"] and out["violations"] == []
+    assert out["records"] == JournalReader(run["journal"]).last_seq
+
+
+def test_replay_until_matches_state_captured_at_that_boundary(run: dict) -> None:
+    assert len(run["captured"]) >= 10
+    for seq, dig in list(run["captured"].items())[::4]:
+        assert replay(run["journal"], until_record=seq).digest == dig
+
+
+def test_diff_finds_injected_divergence(run: dict, tmp_path: Path) -> None:
+    src = JournalReader(run["journal"])
+    records = list(src.records())
+    target = next(seq for seq, evs in records[len(records) // 2:]
+                  if any(isinstance(e, CommitFrontiers) for e in evs))
+    other = tmp_path / "other"
+    j = Journal.open(str(other), CODEC, JournalOptions())
+    for seq, evs in records:
+        if seq == target:
+            evs = [CommitFrontiers(e.pool, e.bundles, pack(unpack(e.frontiers) - 1))
+                   if isinstance(e, CommitFrontiers) else e for e in evs]
+        j.append(evs)
+    j.close()
+    d = diff(run["journal"], str(other))
+    assert d.record == target and d.differences
+    same = tmp_path / "same"
+    shutil.copytree(run["journal"], same)
+    assert diff(run["journal"], str(same)).record is None
+
+
+def test_inspect_page_history(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = cli_json(capsys, "inspect", run["journal"], "--page", "main:0", "--at", "30")
+    assert out["record"] == 30 and set(out["pools"]) == {"main", "mtp"}
+    for p in out["pools"].values():
+        assert p["allocated"] + p["reserved"] + p["available"] == p["capacity"]
+    assert out["page_history"] and out["page_history"][0]["type"] == "mat"
+    assert all(h["record"] <= 30 for h in out["page_history"])
+    assert out["host_arena"]["capacity"] == 16 << 20
+    one = cli_json(capsys, "inspect", run["journal"], "--seq", "1")
+    assert {s["seq"] for s in one["address_spaces"]} <= {1}
+    assert main(["inspect", run["journal"], "--page", "nonsense"]) == 2
+
+
+def test_dump_ndjson(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump", run["journal"]]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["type"] == "cfg" and lines[0]["seq"] == 1
+    assert len(lines) == replay(run["journal"]).events
+    assert any(x["type"] == "hpub" and all(c >= 0 for c in x["checksums"]) for x in lines)
+
+
+def test_events_stream(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["events", run["journal"], "--json"]) == 0
+    items = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    kinds = {i["type"] for i in items}
+    assert {"BlockStored", "BlockRemoved"} <= kinds
+    assert {i["medium"] for i in items if i["type"] == "BlockStored"} == {"GPU", "CPU"}
+    assert all(i["reason"] for i in items if i["type"] == "BlockRemoved")
+    assert main(["events", run["journal"]]) == 0 and "KV events" in capsys.readouterr().out
+
+
+def test_plot_png_and_data(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    png = run["dir"] / "t.png"
+    out = cli_json(capsys, "plot", run["journal"], "-o", str(png))
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(data[16:20], "big") == 1000 and int.from_bytes(data[20:24], "big") == 600
+    n = len(out["record"])
+    assert n > 10 and out["record"] == sorted(out["record"])
+    for series in (*[v for p in out["pools"].values() for v in p.values()], out["host_used"]):
+        assert len(series) == n and all(0.0 <= x <= 1.0 for x in series)
+    assert out["prefix_hit_ratio"][-1] == pytest.approx(run["res"].hit_ratio, abs=1e-9)
+    assert max(out["pools"]["main"]["used"]) == pytest.approx(run["res"].peak_occupancy, abs=0.05)
+
+
+def test_simulate_cli_500_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.tools.benchmarks_ideal import ideal_hit_ratio
+
+    out = cli_json(capsys, "simulate", "--trace", str(DEFAULT_TRACE), "--limit", "500",
+                   "--journal", str(tmp_path / "j"))
+    for key in ("requests", "prompt_tokens", "prefix_hit_tokens", "us_per_request_step",
+                "journal_bytes", "digest"):
+        assert key in out
+    ideal = ideal_hit_ratio(load_trace(DEFAULT_TRACE, 500))
+    assert 0.5 * ideal <= out["prefix_hit_ratio"] <= ideal + 1e-9  # in line with the trace
+    assert out["journal_bytes"] > 0
+    assert replay(str(tmp_path / "j")).digest == out["digest"]
+
+
+def test_demo_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = cli_json(capsys, "demo", "--out", str(tmp_path / "demo"), "--requests", "25")
+    assert out["replay_digest"] == out["live_digest"] and out["kernel_ok"]
+    assert out["replay_violations"] == 0 and Path(out["plot"]).exists()
+    assert out["d2h_pages"] > 0
+
+
+def test_reopen_after_simulation(run: dict) -> None:
+    """The journal a simulation leaves reopens cleanly (actives aborted, invariants hold)."""
+    opts = SimOptions(max_concurrency=6, max_context=8192, kv_tokens=24576, layers=1,
+                      kv_heads=1, head_dim=64, mtp=True, offload=True, host_bytes=16 << 20,
+                      journal_dir=str(run["dir"] / "copy"), allocate_planes=False)
+    shutil.copytree(run["journal"], run["dir"] / "copy")
+    s: KVStore = make_store(opts)
+    s.check_invariants()
+    s.close()
