@@ -42,7 +42,7 @@ def config(directory: str) -> StoreConfig:
     return StoreConfig(model=ModelGeometry(layers=1, kv_heads=2, head_dim=64),
                        serving=ServingConfig(max_context=2048, max_concurrency=4),
                        kv_tokens=2048 * 3, persist_dir=directory, host_bytes=48 << 20,
-                       sync=SyncPolicy.OFF)
+                       sync=SyncPolicy.OFF, snapshot_every=100)
 
 
 def pattern(positions: torch.Tensor, plane: int, heads: int) -> torch.Tensor:
