@@ -504,12 +504,13 @@ class KVStore:
             lo, hi = old // P, (f + P - 1) // P
             if hi - lo == 1:
                 pg = pages[members[lo]]
-                if pg.writer != b or pg.pins:  # type: ignore[union-attr]
+                if pg.writer != b or pg.pins or pg.protected > old - lo * P:  # type: ignore[union-attr]
                     raise WritePermissionError(self._why_not_writable(p, b, lo))
             else:
                 for blk in range(lo, hi):
                     pg = pages[members[blk]]
-                    if pg.writer != b or pg.pins:  # type: ignore[union-attr]
+                    first = old - blk * P if blk == lo else 0  # first column written here
+                    if pg.writer != b or pg.pins or pg.protected > first:  # type: ignore[union-attr]
                         raise WritePermissionError(self._why_not_writable(p, b, blk))
         self._emit(ev.CommitFrontiers(p.name, pack(bl), pack(fl)))
 

@@ -243,6 +243,12 @@ def test_lease_growth_bounded_completion(make_store: MakeStore) -> None:
             s.commit(b, "main", frontier[b])
             assert len(s.space(b).members) <= s.space(b).entitlement
     assert ended, "the pool was sized so that some sequence must end with length"
+    from ninfer_kv.replay import replay
+
+    live = s.digest()
+    s.close()
+    assert replay(s.config.journal_dir).digest == live  # Grow events replay exactly
+    s = KVStore.open(s.config)
     assert all(s.state.bundles.get(b) is None for b in ended)
     with pytest.raises(EntitlementExceeded):
         b = s.activate(64, 1900)

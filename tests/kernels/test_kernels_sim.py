@@ -42,6 +42,25 @@ def test_sim_append_bit_identical_and_decode_agrees(profile: Profile) -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("profile", list(Profile))
+@pytest.mark.parametrize("gqa,n", [(1, 64), (4, 37)])  # frontier on / inside a page
+def test_sim_decode_vs_float64_reference(profile: Profile, gqa: int, n: int) -> None:
+    """The CUDA decode kernel itself against the float64 reference (small shapes)."""
+    from tests.kernels import reference as ref
+    from tests.kernels.helpers import read_kv
+
+    view = make_view(profile, 1, 64, pages=6, rows=2, logical=2, seed=gqa)
+    gen = torch.Generator().manual_seed(n)
+    k, v = torch.randn(n, 1, 64, generator=gen), torch.randn(n, 1, 64, generator=gen)
+    append_kv(view, torch.ones(n, dtype=torch.int32), torch.arange(n), k, v,
+              force_cuda_sim=True)
+    q = torch.randn(1, gqa, 64, generator=gen)
+    out = paged_decode(q, view, torch.tensor([1]), torch.tensor([n]), force_cuda_sim=True)
+    kq, vq = read_kv(view, 1, n)
+    want = ref.attention_ref(q[0], kq, vq)
+    assert (out[0].double() - want).abs().max().item() <= 2e-5 * vq.abs().max().item()
+
+
 def test_sim_head_major_draft_pool() -> None:
     cpu, sim = _append_both(Profile.BF16, PlaneOrder.HEAD_MAJOR, n=40)
     assert torch.equal(cpu.k_pages, sim.k_pages)
