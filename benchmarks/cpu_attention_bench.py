@@ -9,31 +9,13 @@ measured in the same run. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import time
 
-import numpy as np
 import torch
+from timing import best_of, memcpy_gbps
 
 from ninfer_kv.engine.layout import PoolKind, Profile, bytes_per_token_head, pool_geometry
 from ninfer_kv.engine.views import PagedKVBatchLayerView
 from ninfer_kv.kernels.attention import paged_decode
-
-
-def best_of(fn, n: int = 3) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def memcpy_gbps() -> float:
-    a = np.ones(1 << 28, np.uint8)  # 256 MiB
-    b = np.empty_like(a)
-    sec = best_of(lambda: np.copyto(b, a))
-    return a.nbytes / sec / 1e9
 
 
 def main() -> None:

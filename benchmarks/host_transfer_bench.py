@@ -8,24 +8,14 @@ run. Prints; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
+from timing import best_of, memcpy_gbps
 
 from ninfer_kv.engine.host import runs
 from ninfer_kv.engine.layout import PoolKind, Profile, pool_geometry
 from ninfer_kv.kernels.copy import host_page_bytes, pack_pages, unpack_pages
-
-
-def best(fn, n: int = 5) -> float:  # noqa: ANN001
-    fn()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def main() -> None:
@@ -40,16 +30,14 @@ def main() -> None:
     pb = host_page_bytes(planes, g.order)
     host = torch.empty(a.pages, pb, dtype=torch.uint8)
     total = a.pages * pb
-    src = np.ones(total, np.uint8)
-    dst = np.empty_like(src)
-    mem = total / best(lambda: np.copyto(dst, src)) / 1e9
+    mem = memcpy_gbps(total)
     print(f"{a.pages} pages x {pb} B = {total / 2**20:.0f} MiB per transfer; "
           f"memcpy {mem:.1f} GB/s")
     rng = np.random.default_rng(0)
     for name, ids in (("contiguous", list(range(a.pages))),
                       ("random", rng.permutation(2 * a.pages)[:a.pages].tolist())):
-        d2h = total / best(lambda ids=ids: pack_pages(planes, g.order, ids, host)) / 1e9
-        h2d = total / best(lambda ids=ids: unpack_pages(planes, g.order, host, ids)) / 1e9
+        d2h = total / best_of(lambda ids=ids: pack_pages(planes, g.order, ids, host)) / 1e9
+        h2d = total / best_of(lambda ids=ids: unpack_pages(planes, g.order, host, ids)) / 1e9
         print(f"{name:10s} ids ({runs(ids):5d} runs for {a.pages} pages): D2H {d2h:5.1f} GB/s "
               f"= {d2h / mem:4.0%} of memcpy, H2D {h2d:5.1f} GB/s = {h2d / mem:4.0%}")
 

@@ -5,6 +5,7 @@ mid-log corruption, find the newest valid snapshot. Rules: docs/journal-format.m
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -63,13 +64,18 @@ class ScanResult:
         return self.segments[0].header.first_seq if self.segments else 1
 
 
-def list_segments(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, str]]:
+def _numbered(directory: str, pattern: re.Pattern[str], fs: FileSystem) -> list[tuple[int, str]]:
+    """(number, path) of the files whose name matches ``pattern``, in number order."""
     out = []
     for name in fs.listdir(directory):
-        m = SEG_RE.match(name)
+        m = pattern.match(name)
         if m:
             out.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(out)
+
+
+def list_segments(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, str]]:
+    return _numbered(directory, SEG_RE, fs)
 
 
 def _later_valid(buf: bytes, start: int, salt: int) -> Frame | None:
@@ -179,12 +185,7 @@ def iter_frames(result: ScanResult, from_seq: int = 0) -> Iterator[tuple[Frame, 
 
 # --- snapshots ----------------------------------------------------------------------------------
 def list_snapshots(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, str]]:
-    out = []
-    for name in fs.listdir(directory):
-        m = SNAP_RE.match(name)
-        if m:
-            out.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(out)
+    return _numbered(directory, SNAP_RE, fs)
 
 
 def newest_snapshot(directory: str, last_seq: int, schema_major: int,
