@@ -19,27 +19,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import continuation, growth, host
+from ninfer_kv.engine import continuation, growth, host, restart
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import (
-    DEFAULT_KV_TOKENS,
-    DEFAULT_MODEL,
-    DEFAULT_SERVING,
     Backend,
     CapacityPlan,
-    ModelGeometry,
-    ServingConfig,
-    plan_automatic,
-    plan_explicit,
 )
+from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import UNMAPPED, DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import violations
@@ -55,7 +48,6 @@ from ninfer_kv.errors import (
     FrontierError,
     FrozenUnit,
     InactiveSpace,
-    KVStoreError,
     StaleHandle,
     StateError,
     UnknownHandle,
@@ -63,65 +55,10 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC, pack
-from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
+from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.recovery import recover_state
 
 log = structlog.get_logger(__name__)
-
-
-class InvariantViolation(KVStoreError):
-    """check_invariants() found a broken §14 invariant (a bug, never bad input)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    model: ModelGeometry = DEFAULT_MODEL
-    serving: ServingConfig = DEFAULT_SERVING
-    kv_tokens: int | None = None
-    """Explicit policy (K_main tokens). Default when neither policy is given: 65536 (or S)."""
-    free_bytes: int | None = None
-    """Automatic policy: F, with ``headroom`` R."""
-    headroom: int = 0
-    device: str = "cpu"
-    journal_dir: str | None = None
-    """None = no journal (events are applied and dropped)."""
-    sync: SyncPolicy = SyncPolicy.OFF
-    segment_bytes: int = 64 << 20
-    allocate_planes: bool = True
-    snapshot_every: int = 0
-    """Write a snapshot every N records (0 = only on request)."""
-    lease_growth: bool = False
-    """kv_lease_growth (spec §6.2): entitle frontier + window + cushion, grow at round ends."""
-    lease_window: int = 4096
-    lease_cushion: int = 64
-    """Per-lane cushion: covers the step about to launch and one forced control span."""
-    host_bytes: int = 0
-    """Host arena capacity (spec §3.3); 0 = no host tier."""
-    persist_dir: str | None = None
-    """Persistence: journal in ``<dir>/journal``, host arena file ``<dir>/host_arena.bin``
-    (mmap). Inactive checkpoints with published host replicas survive a crash."""
-
-    @property
-    def journal_path(self) -> str | None:
-        if self.journal_dir is not None:
-            return self.journal_dir
-        return None if self.persist_dir is None else os.path.join(self.persist_dir, "journal")
-
-    def plan(self) -> CapacityPlan:
-        if self.free_bytes is not None:
-            return plan_automatic(self.model, self.serving, self.free_bytes, self.headroom)
-        tokens = self.kv_tokens if self.kv_tokens is not None else max(
-            DEFAULT_KV_TOKENS, self.serving.max_context)
-        return plan_explicit(self.model, self.serving, tokens)
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    records: int = 0
-    snapshot_seq: int = 0
-    cuts: list[str] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)
-    dropped: dict[int, str] = field(default_factory=dict)
 
 
 class KVStore:
@@ -202,38 +139,7 @@ class KVStore:
         return store
 
     def _recover_cleanup(self) -> None:
-        """Device contents do not survive a restart. Abort unpublished host destinations and
-        active sequences; keep an inactive checkpoint only when every page has a published,
-        epoch-matching host replica whose bytes still match their checksum; drop the device
-        replicas of what is kept. Report what was kept and dropped, and why."""
-        rep = self.recovery
-        st = self.state
-        for off, (pool, _, _) in sorted(st.host_pending.items()):
-            self._emit(ev.HostAbort(pool, off))
-        for bid, b in sorted(st.bundles.items()):
-            if b.active:
-                for pool in b.pools:
-                    self._emit(ev.Finish(bid, pool, False, "abort:restart"))
-                rep.dropped[bid] = "active at crash"
-        for bid in sorted(b for b, x in st.bundles.items() if not x.active):
-            reason = continuation.unrecoverable_reason(st, bid)
-            if reason is None:
-                reason = host.verify_checkpoint(self, bid)
-            if reason is None:
-                rep.kept.append(bid)
-            else:
-                self._emit(*(ev.Release(bid, pool) for pool in st.bundles[bid].pools))
-                rep.dropped[bid] = reason
-        for name, pool in st.pools.items():
-            stale = [pg.slot for pg in pool.pages if pg is not None and pg.device != NO_PAGE]
-            if stale:
-                self._emit(ev.DeviceDrop(name, pack(stale)))
-        self._pending.insert(0, ev.Recovered(rep.records, pack(rep.kept),
-                                             pack(sorted(rep.dropped))))
-        for bid, why in rep.dropped.items():
-            log.warning("store.recovery_dropped", checkpoint=bid, reason=why)
-        log.info("store.recovered", records=rep.records, kept=rep.kept,
-                 dropped=len(rep.dropped), cuts=rep.cuts)
+        restart.recover_cleanup(self)
 
     def close(self) -> None:
         if self._pending or self._transfers:

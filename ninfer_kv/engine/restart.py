@@ -1,0 +1,61 @@
+"""What a reopened store keeps (spec §5.3, DESIGN "Device, host, persistence").
+
+Device contents never survive a restart. Unpublished host destinations and active sequences
+are aborted; an inactive checkpoint is kept only when every page has a published,
+epoch-matching host replica whose bytes still match their CRC; the device replicas of what is
+kept are dropped. The report (structlog and ``store.recovery``) says what was kept, what was
+dropped and why. All of it is ordinary events, journaled as one record that starts with a
+``Recovered`` marker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ninfer_kv.engine import continuation, host
+from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import pack
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+log = structlog.get_logger(__name__)
+
+
+def recover_cleanup(store: KVStore) -> None:
+    """Device contents do not survive a restart. Abort unpublished host destinations and
+    active sequences; keep an inactive checkpoint only when every page has a published,
+    epoch-matching host replica whose bytes still match their checksum; drop the device
+    replicas of what is kept. Report what was kept and dropped, and why."""
+    rep = store.recovery
+    st = store.state
+    for off, (pool, _, _) in sorted(st.host_pending.items()):
+        store._emit(ev.HostAbort(pool, off))
+    for bid, b in sorted(st.bundles.items()):
+        if b.active:
+            for pool in b.pools:
+                store._emit(ev.Finish(bid, pool, False, "abort:restart"))
+            rep.dropped[bid] = "active at crash"
+    for bid in sorted(b for b, x in st.bundles.items() if not x.active):
+        reason = continuation.unrecoverable_reason(st, bid)
+        if reason is None:
+            reason = host.verify_checkpoint(store, bid)
+        if reason is None:
+            rep.kept.append(bid)
+        else:
+            store._emit(*(ev.Release(bid, pool) for pool in st.bundles[bid].pools))
+            rep.dropped[bid] = reason
+    for name, pool in st.pools.items():
+        stale = [pg.slot for pg in pool.pages if pg is not None and pg.device != NO_PAGE]
+        if stale:
+            store._emit(ev.DeviceDrop(name, pack(stale)))
+    # the marker goes first in the record; its apply is a no-op, so inserting it is exact
+    store._pending.insert(0, ev.Recovered(rep.records, pack(rep.kept),
+                                          pack(sorted(rep.dropped))))
+    for bid, why in rep.dropped.items():
+        log.warning("store.recovery_dropped", checkpoint=bid, reason=why)
+    log.info("store.recovered", records=rep.records, kept=rep.kept,
+             dropped=len(rep.dropped), cuts=rep.cuts)
