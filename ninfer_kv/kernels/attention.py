@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import cuda, float32
 
-from ninfer_kv.kernels import quant
+from ninfer_kv.kernels import codecs, quant
 from ninfer_kv.kernels.append import page_major, side_codecs
 from ninfer_kv.kernels.backend import (
     MAXD,
@@ -107,7 +107,8 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
     dot products are warp-reduced. ``ne``/``ng`` are compile-time constants, so the per-lane
     arrays live in registers and the loops unroll; the codecs are constants too, so the
     dequant branches fold away (one specialization per (D, heads, profile))."""
-    dq = quant.for_target(quant.dq, cpu=False)
+    load = quant.for_target(quant.load_lane, cpu=False)
+    gpu_codecs = codecs.gpu()
     sim = simulator()
     NE, NG, KC, VC = ne, ng, kcodec, vcodec  # noqa: N806 - compile-time constants
 
@@ -142,6 +143,13 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
         q0 = h * grp + (hy % chunks) * NG
         d0 = lane * NE
         buf = cuda.shared.array((WARPS, 32), float32)
+        lut8 = cuda.shared.array(256, float32)
+        lut4 = cuda.shared.array(16, float32)
+        for i in range(tid, 256, THREADS):  # decode tables for FP8/FP4 codes
+            lut8[i] = gpu_codecs.fp8_decode(i)
+            if i < 16:
+                lut4[i] = gpu_codecs.fp4_decode(i)
+        cuda.syncthreads()
         sm_m = cuda.shared.array((WARPS, MAXG), float32)
         sm_l = cuda.shared.array((WARPS, MAXG), float32)
         sm_acc = cuda.shared.array((WARPS, MAXG, MAXD), float32)
@@ -169,9 +177,8 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
             if valid:
                 g = tables[row, t >> 6]
                 o = t & 63
-                for e in range(NE):
-                    kr[e] = dq(KC, kc, ks, g, h, o, d0 + e)
-                    vr[e] = dq(VC, vc, vs, g, h, o, d0 + e)
+                load(KC, kc, ks, g, h, o, d0, NE, kr, lut8, lut4)
+                load(VC, vc, vs, g, h, o, d0, NE, vr, lut8, lut4)
             for j in range(NG):
                 part = float32(0.0)
                 if valid:

@@ -78,9 +78,38 @@ def _copy_cuda() -> Any:
     return kernel
 
 
+@functools.cache
+def _copy2d_cuda() -> Any:
+    """Page-major fast path: each page's slice is one contiguous row ``[page, words]``; one
+    block per page pair, threads stride over the row."""
+
+    @cuda.jit
+    def kernel(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
+        for i in range(cuda.blockIdx.x, src_ids.shape[0], cuda.gridDim.x):
+            s, d = src_ids[i], dst_ids[i]
+            for w in range(cuda.threadIdx.x, words, cuda.blockDim.x):
+                dst[d, w] = src[s, w]
+
+    return kernel
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """A ``[1, N, H, W]`` view whose (H, W) block is dense per page, as ``[N, H*W]``."""
+    if t.shape[0] != 1 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        return None
+    return t.as_strided((t.shape[1], t.shape[2] * t.shape[3]), (t.stride(1), 1),
+                        t.storage_offset())
+
+
 def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
           words: int, force_cuda_sim: bool = False) -> None:
     if words <= 0 or src_ids.numel() == 0:
+        return
+    rs, rd = _as_rows(src), _as_rows(dst)
+    if (words == src.shape[3] and rs is not None and rd is not None
+            and use_cuda_kernels(src, dst, force_sim=force_cuda_sim)):
+        launch(_copy2d_cuda(), (max(1, min(65535, src_ids.numel())),), 256, dev_view(rs),
+               dev_view(rd), dev_view(src_ids), dev_view(dst_ids), rs.shape[1])
         return
     args = (dev_view(src), dev_view(dst), dev_view(src_ids), dev_view(dst_ids), words)
     if use_cuda_kernels(src, dst, force_sim=force_cuda_sim):

@@ -100,6 +100,29 @@ def dq_row(codec, code, scale, g, h, o, D, out):  # noqa: ANN001, N803 - numba b
                 out[d + 1] = C.fp4_decode(byte >> np.uint32(4)) * sf
 
 
+def load_lane(codec, code, scale, g, h, o, d0, ne, out, lut8, lut4):  # noqa: ANN001
+    """GPU lanes: ``ne`` consecutive dequantized elements from ``d0`` (inside one scale
+    group, since ne <= 8 divides every group size), the scale decoded once, FP8/FP4 codes
+    through small lookup tables (``lut8``: 256 E4M3 values, ``lut4``: 16 E2M1 values)."""
+    if codec == BF16:
+        for e in range(ne):
+            out[e] = C.bf16_decode(code[g, h, o, d0 + e])
+    elif codec == INT8_G64:
+        sf = C.bf16_decode(scale[g, h, o, d0 >> 6])
+        for e in range(ne):
+            out[e] = np.float32(code[g, h, o, d0 + e]) * sf
+    elif codec == FP8_ROW:
+        sf = C.bf16_decode(scale[g, h, o, 0])
+        for e in range(ne):
+            out[e] = lut8[code[g, h, o, d0 + e]] * sf
+    else:
+        sf = lut8[scale[g, h, o, d0 >> 4]]
+        for e in range(0, ne, 2):
+            byte = code[g, h, o, (d0 + e) >> 1]
+            out[e] = lut4[byte & 15] * sf
+            out[e + 1] = lut4[byte >> 4] * sf
+
+
 def for_target(fn, cpu: bool):  # noqa: ANN001, ANN201
     """The body compiled for the CPU (njit, inlined) or as a CUDA device function."""
     import numba
