@@ -65,7 +65,6 @@ def test_random_recipes_vs_reference(history, recipe_sizes, seed) -> None:
 
 def test_coalescing_and_best_fit() -> None:
     a = ExtentAllocator(10 * ALIGN)
-    offs = [a.best_fit(ALIGN) for _ in range(1)]
     for i in range(10):
         a.allocate(i * ALIGN, ALIGN)
     for i in (1, 2, 5, 7, 8):
@@ -76,4 +75,3 @@ def test_coalescing_and_best_fit() -> None:
     assert a.best_fit(3 * ALIGN) is None           # 5 free units, but no 3 adjacent
     assert a.free_bytes == 5 * ALIGN
     assert a.plan([6 * ALIGN], [4 * ALIGN]) == [5 * ALIGN]  # a release that makes room
-    del offs

@@ -260,13 +260,14 @@ def test_snapshot_recovery_equals_full_replay(make_store: MakeStore, tmp_path) -
     step(s)
     live = s.digest()
     s.journal.sync()  # simulate a crash: no close()
+    from ninfer_kv.engine.apply import apply_all
     from ninfer_kv.engine.state import decode_state, digest
+    from ninfer_kv.journal.events import CODEC
     from ninfer_kv.journal.recovery import recover_state
 
+    def apply_record(st, seq, payload) -> None:  # noqa: ANN001
+        apply_all(st, CODEC.decode(payload))
+
     st, last, _ = recover_state(str(tmp_path / "journal"), schema_major=1, initial=lambda: None,
-                                load_snapshot=decode_state,
-                                apply_record=lambda st, q, p: [__import__(
-                                    "ninfer_kv.engine.apply", fromlist=["apply_all"]).apply_all(
-                                    st, __import__("ninfer_kv.journal.events",
-                                                   fromlist=["CODEC"]).CODEC.decode(p))])
+                                load_snapshot=decode_state, apply_record=apply_record)
     assert digest(st) == live and last == s.state.seq
