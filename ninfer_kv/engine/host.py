@@ -115,6 +115,27 @@ def drop_device(store: KVStore, checkpoint: int) -> int:
     return n
 
 
+def drop_host(store: KVStore, checkpoint: int) -> int:
+    """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
+    host arena extents; the checkpoint stays device-resident). Returns pages dropped."""
+    st = store.state
+    b = st.bundles.get(checkpoint)
+    if b is None or b.active:
+        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    events = []
+    n = 0
+    for pool in b.pools:
+        p = st.pools[pool]
+        slots = [s for s in p.spaces[checkpoint].members
+                 if (pg := p.pages[s]) is not None and pg.host is not None
+                 and pg.device != NO_PAGE and pg.pins == 0]
+        if slots:
+            events.append(ev.HostDrop(pool, pack(slots)))
+            n += len(slots)
+    store._emit(*events)
+    return n
+
+
 # --- effects at the boundary ------------------------------------------------------------------
 def zero_uncommitted(host_page: np.ndarray, planes: list[torch.Tensor], order: PlaneOrder,
                      committed: int) -> None:

@@ -526,6 +526,11 @@ class KVStore:
         self._require_thawed("drop_device")
         return host.drop_device(self, checkpoint)
 
+    def drop_host(self, checkpoint: int) -> int:
+        """Free the host extents of a checkpoint that still lives on the device."""
+        self._require_thawed("drop_host")
+        return host.drop_host(self, checkpoint)
+
     # --- continuation (§7.3, §9) — see engine/continuation.py --------------------------------------
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,
                       max_output_tokens: int, *, keep_source: bool = True,

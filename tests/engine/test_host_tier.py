@@ -125,3 +125,19 @@ def test_arena_too_small_is_refused_without_change(tmp_path: Path) -> None:
         s.offload(ck)
     assert s.digest() == d
     s.close()
+
+
+def test_drop_host_frees_extents_and_reoffload(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 300)
+    s.offload(ck)
+    step(s)
+    live = s.state.host.live_bytes
+    assert live > 0 and s.drop_host(ck) == 5
+    step(s)
+    assert s.state.host.live_bytes == 0
+    assert all(s.state.pools["main"].pages[x].device >= 0 for x in s.space(ck).members)
+    assert s.offload(ck) == 5  # device replicas are still there: offload again
+    step(s)
+    assert s.state.host.live_bytes == live
+    s.close()
