@@ -15,6 +15,7 @@ P*X*itemsize bytes each), with no device ids and no table holes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,26 +56,32 @@ def _page_bytes(st: StoreState, pool: str) -> int:
     return next(s.page_bytes for s in st.pool_specs if s.name == pool)
 
 
-def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
-    """Queue D2H copies of every page of an inactive checkpoint that lacks a valid host
-    replica. Returns the number of pages queued (0: already fully offloaded)."""
+def _select(store: KVStore, checkpoint: int,
+            keep: Callable[[LogicalKVPage], bool]) -> list[tuple[str, list[int]]]:
+    """(pool, slots) of an inactive checkpoint's unpinned pages that ``keep`` accepts."""
     st = store.state
     b = st.bundles.get(checkpoint)
     if b is None or b.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-    if st.host is None or store.arena is None:
-        raise HostArenaError("the store was opened without a host arena (host_bytes=0)")
-    recipe: list[tuple[str, list[int]]] = []
+    out = []
     for pool in b.pools:
         p = st.pools[pool]
-        todo = []
-        for slot in p.spaces[checkpoint].members:
-            pg = p.pages[slot]
-            assert pg is not None
-            if pg.pins == 0 and not replica_valid(pg, pg.committed) and pg.device != NO_PAGE:
-                todo.append(slot)
-        if todo:
-            recipe.append((pool, todo))
+        slots = [s for s in p.spaces[checkpoint].members
+                 if (pg := p.pages[s]) is not None and pg.pins == 0 and keep(pg)]
+        if slots:
+            out.append((pool, slots))
+    return out
+
+
+def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
+    """Queue D2H copies of every page of an inactive checkpoint that lacks a valid host
+    replica. Plans every extent of the recipe before emitting anything. Returns the number
+    of pages queued (0: already fully offloaded)."""
+    st = store.state
+    recipe = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
+                     and not replica_valid(pg, pg.committed))
+    if st.host is None or store.arena is None:
+        raise HostArenaError("the store was opened without a host arena (host_bytes=0)")
     if not recipe:
         return 0
     sizes = [_page_bytes(st, pool) for pool, slots in recipe for _ in slots]
@@ -97,43 +104,18 @@ def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
 def drop_device(store: KVStore, checkpoint: int) -> int:
     """Drop device replicas of a checkpoint's pages that only inactive spaces reference and
     that have a valid host replica; their page groups return to the pool."""
-    st = store.state
-    b = st.bundles.get(checkpoint)
-    if b is None or b.active:
-        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-    events = []
-    n = 0
-    for pool in b.pools:
-        p = st.pools[pool]
-        slots = [s for s in p.spaces[checkpoint].members
-                 if (pg := p.pages[s]) is not None and pg.device != NO_PAGE and pg.pins == 0
-                 and pg.active_refs == 0 and replica_valid(pg, pg.committed)]
-        if slots:
-            events.append(ev.DeviceDrop(pool, pack(slots)))
-            n += len(slots)
-    store._emit(*events)
-    return n
+    sel = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE and pg.active_refs == 0
+                  and replica_valid(pg, pg.committed))
+    store._emit(*(ev.DeviceDrop(pool, pack(slots)) for pool, slots in sel))
+    return sum(len(slots) for _, slots in sel)
 
 
 def drop_host(store: KVStore, checkpoint: int) -> int:
     """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
     host arena extents; the checkpoint stays device-resident). Returns pages dropped."""
-    st = store.state
-    b = st.bundles.get(checkpoint)
-    if b is None or b.active:
-        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-    events = []
-    n = 0
-    for pool in b.pools:
-        p = st.pools[pool]
-        slots = [s for s in p.spaces[checkpoint].members
-                 if (pg := p.pages[s]) is not None and pg.host is not None
-                 and pg.device != NO_PAGE and pg.pins == 0]
-        if slots:
-            events.append(ev.HostDrop(pool, pack(slots)))
-            n += len(slots)
-    store._emit(*events)
-    return n
+    sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE)
+    store._emit(*(ev.HostDrop(pool, pack(slots)) for pool, slots in sel))
+    return sum(len(slots) for _, slots in sel)
 
 
 # --- effects at the boundary ------------------------------------------------------------------
