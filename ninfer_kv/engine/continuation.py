@@ -146,11 +146,9 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
                       if not pl["move"])
     store._emit(*events)
     for e in events:
-        if isinstance(e, ev.CopyTail):
-            store._copies.append(e)
-            store.stats["cow_copies"] += 1
-        elif isinstance(e, ev.DeviceRestore):
-            store._restores.append(e)
+        if isinstance(e, ev.CopyTail | ev.DeviceRestore):
+            store._effects.append(e)
+            store.stats["cow_copies"] += isinstance(e, ev.CopyTail)
     for pool in plans:
         store._touch(pool, dst, 0)
     return dst

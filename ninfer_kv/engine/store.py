@@ -73,10 +73,11 @@ class KVStore:
         self.device = DeviceState({k.value: g for k, g in plan.layout.pools.items()},
                                   plan.C, plan.L, config.device, config.allocate_planes)
         self._pending: list[Any] = []
-        self._copies: list[ev.CopyTail] = []
+        # device copies for the next boundary, in emission order (a page group freed and
+        # reused within one record must be read by an earlier copy before it is overwritten)
+        self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
         self._touched: dict[tuple[str, int], int] = {}  # (pool, bundle) -> first block to publish
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
-        self._restores: list[ev.DeviceRestore] = []      # H2D copies for the next boundary
         self.arena: HostArenaBuffer | None = None
         self._frozen = False
         self.fault_hook: Callable[[str, str], None] | None = None
@@ -186,15 +187,16 @@ class KVStore:
 
     def _publish_record(self) -> int:
         """Append pending events as one record, then run the device effects in order:
-        H2D restores, COW copies, table-slice writes; then complete queued D2H transfers and
-        journal their publication as a second record, synced (a durability point)."""
+        H2D restores and COW copies (in emission order), table-slice writes; then complete
+        queued D2H transfers and journal their publication as a second record, synced (a
+        durability point)."""
         seq = self._append_pending()
-        if self._restores:
-            host.restore_pages(self, self._restores)
-            self._restores.clear()
-        for c in self._copies:
-            self.device.copy_columns(c.pool, c.src_page, c.page, c.columns)
-        self._copies.clear()
+        for e in self._effects:
+            if isinstance(e, ev.DeviceRestore):
+                host.restore_pages(self, [e])
+            else:
+                self.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
+        self._effects.clear()
         for (pool, bundle), start in self._touched.items():
             sp = self.state.pools[pool].spaces.get(bundle)
             if sp is None or not sp.active:
@@ -319,7 +321,7 @@ class KVStore:
         self._require_thawed("grow")
         return growth.grow(self, step_tokens)
 
-    def _check_capacity(self, pages: dict[str, int], exclude_rows: bool = False) -> None:
+    def _check_capacity(self, pages: dict[str, int]) -> None:
         for name, n in pages.items():
             if self.fault_hook:
                 self.fault_hook("reserve", name)
@@ -328,7 +330,7 @@ class KVStore:
                 raise CapacityExhausted(f"pool {name}: need {n} pages, {p.available} available "
                                         f"(allocated {p.allocated}, reserved {p.reserved}, "
                                         f"capacity {p.capacity})")
-            if not exclude_rows and not p.free_rows:
+            if not p.free_rows:
                 raise CapacityExhausted(f"pool {name}: all {p.rows} execution rows are leased "
                                         f"(max_concurrency C={p.rows})")
 

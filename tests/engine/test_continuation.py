@@ -265,12 +265,12 @@ def test_fault_injection_every_step_and_pool(make_store: MakeStore, backend: Bac
                 def hook(st: str, p: str, step_name=step_name, pool=pool) -> None:
                     if (st, p) == (step_name, pool):
                         raise InjectedFault(f"{st}/{p}")
-                before = (s.digest(), s.occupancy(), len(s._pending), len(s._copies))
+                before = (s.digest(), s.occupancy(), len(s._pending), len(s._effects))
                 s.fault_hook = hook
                 with pytest.raises(InjectedFault):
                     s.activate_from(ck, 1000, 1000, 50, keep_source=keep)
                 s.fault_hook = None
-                assert (s.digest(), s.occupancy(), len(s._pending), len(s._copies)) == before
+                assert (s.digest(), s.occupancy(), len(s._pending), len(s._effects)) == before
                 assert all(pg.pins == 0 for p in s.state.pools.values() for pg in p.pages if pg)
                 s.check_invariants()
     dst = s.activate_from(ck, 1000, 1000, 50, keep_source=False)

@@ -11,7 +11,7 @@ import torch
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import HostArenaError
-from ninfer_kv.journal.events import DeviceDrop, HostPublish, HostReserve
+from ninfer_kv.journal.events import DeviceDrop, HostPublish, HostReserve, unpack
 from ninfer_kv.journal.reader import JournalReader
 from tests.engine.conftest import small_config
 from tests.engine.test_continuation import checkpoint_at, page_bytes, step
@@ -140,4 +140,33 @@ def test_drop_host_frees_extents_and_reoffload(tmp_path: Path) -> None:
     assert s.offload(ck) == 5  # device replicas are still there: offload again
     step(s)
     assert s.state.host.live_bytes == live
+    s.close()
+
+
+def test_copies_run_in_emission_order_when_a_page_is_reused(tmp_path: Path) -> None:
+    """Fork+release frees the source tail page inside one record; a later restore in the
+    same record may reuse that page group. The COW copy must read it first."""
+    s = host_store(tmp_path)
+    a = checkpoint_at(s, 100)   # 2 pages: tail has 36 committed columns
+    c = s.activate_from(a, 64, 64, 10)  # shares a's first page, so a is not private
+    s.finish(c, retain=True)
+    b = checkpoint_at(s, 130)
+    main = s.state.pools["main"]
+    tail_dev = main.pages[s.space(a).members[1]].device
+    tail_before = page_bytes(s, "main", tail_dev)
+    s.offload(b)
+    step(s)
+    s.drop_device(b)
+    step(s)
+    # one record: Fork a (COW of its tail) and release a, then continue b, whose H2D
+    # restore reuses the page group that held a's tail
+    x = s.activate_from(a, 100, 100, 10, keep_source=False)
+    y = s.activate_from(b, 128, 128, 10)
+    restored = [e for e in s._effects if type(e).__name__ == "DeviceRestore"]
+    assert tail_dev in unpack(restored[0].pages).tolist()  # the scenario really happens
+    step(s)
+    got = page_bytes(s, "main", main.pages[s.space(x).members[1]].device)
+    for g, w in zip(got, tail_before, strict=True):
+        assert torch.equal(g[:, :36], w[:, :36])
+    del y
     s.close()
