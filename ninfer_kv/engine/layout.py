@@ -197,10 +197,6 @@ class PoolGeometry:
         """``{'k_code': ..., 'k_scale': ..., 'v_code': ..., ...}`` for one layer."""
         return {f"{p.side}_{p.role}": p for p in self.planes if p.layer == layer}
 
-    def with_capacity(self, capacity: int) -> PoolGeometry:
-        return PoolGeometry(self.kind, self.order, self.planes, self.num_kv_heads, self.head_dim,
-                            self.layers, capacity, self.page_size)
-
 
 def plane_inventory(profile: Profile, layers: int, head_dim: int) -> tuple[PlaneSpec, ...]:
     """Expand a profile's per-side schema over ``layers`` layers: the typed plane inventory."""

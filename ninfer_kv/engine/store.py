@@ -29,7 +29,6 @@ from ninfer_kv.engine import continuation, growth, host, restart
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import (
-    Backend,
     CapacityPlan,
 )
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
@@ -592,10 +591,6 @@ class KVStore:
         return {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
                     "available": p.available, "rows_leased": len(p.row_owner)}
                 for n, p in self.state.pools.items()}
-
-    @property
-    def backend(self) -> Backend:
-        return self.config.serving.backend
 
 
 def _no_duplicates(bundles: Sequence[int]) -> None:

@@ -64,19 +64,6 @@ def encode_row(codec, x, code, scale, g, h, o, D):  # noqa: ANN001, N803 - numba
                 code[g, h, o, d >> 1] = np.uint8(C.fp4_encode(lo) | (C.fp4_encode(hi) << 4))
 
 
-def dq(codec, code, scale, g, h, o, d):  # noqa: ANN001 - numba body
-    """One dequantized element (float32)."""
-    if codec == BF16:
-        return C.bf16_decode(code[g, h, o, d])
-    if codec == INT8_G64:
-        return np.float32(code[g, h, o, d]) * C.bf16_decode(scale[g, h, o, d >> 6])
-    if codec == FP8_ROW:
-        return C.fp8_decode(code[g, h, o, d]) * C.bf16_decode(scale[g, h, o, 0])
-    byte = np.uint32(code[g, h, o, d >> 1])
-    nib = (byte >> np.uint32((d & 1) * 4)) & np.uint32(15)
-    return C.fp4_decode(nib) * C.fp8_decode(scale[g, h, o, d >> 4])
-
-
 def dq_row(codec, code, scale, g, h, o, D, out):  # noqa: ANN001, N803 - numba body
     """A whole dequantized row; the codec branch sits outside the element loop."""
     if codec == BF16:

@@ -15,7 +15,7 @@ import json
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -346,8 +346,3 @@ def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
             cache.remove(victim)
             timed(store.release, victim)
             res.evictions += 1
-
-
-def iter_lines(path: str | Path) -> Iterator[str]:
-    with open(path) as f:
-        yield from f

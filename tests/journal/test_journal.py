@@ -243,3 +243,28 @@ def test_snapshot_then_tail_and_corrupt_snapshot_fallback() -> None:
         fs.files[os.path.join(D, name)].durable[3] ^= 1  # every snapshot bad -> full log
     st, _ = _recover(fs)
     assert st == ref
+
+
+def test_compact_then_recover_from_snapshot_and_tail() -> None:
+    fs = CrashFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    ref = Counter()
+    for s in range(1, 41):
+        _apply(ref, s, memoryview(CODEC.encode(batch(s))))
+    j.write_snapshot(msgspec.msgpack.encode(ref))
+    for s in range(41, 61):
+        j.append(batch(s))
+        _apply(ref, s, memoryview(CODEC.encode(batch(s))))
+    segs_before = [n for n in fs.listdir(D) if n.startswith("seg-")]
+    assert j.compact() > 0
+    segs_after = [n for n in fs.listdir(D) if n.startswith("seg-")]
+    assert len(segs_after) < len(segs_before)
+    j.close()
+    st, last = _recover(fs)  # the chain restarts at the first kept segment
+    assert last == 60 and st == ref
+    assert JournalReader(D, fs=fs).scan.first_seq > 1
+    for name in fs.listdir(D):  # without the snapshot the compacted log cannot be replayed
+        if name.startswith("snap-"):
+            fs.remove(f"{D}/{name}")
+    with pytest.raises(JournalCorrupt, match="compacted"):
+        _recover(fs)
