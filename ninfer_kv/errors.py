@@ -12,6 +12,26 @@ class KVStoreError(Exception):
     """Base of every error ninfer-kv raises on bad input or an impossible request."""
 
 
+class InvalidArgument(KVStoreError, ValueError):
+    """A caller-supplied value of the wrong type or outside its documented range (an int that
+    is not an integer, a negative budget, batched arguments of different lengths, ...)."""
+
+
+# --- store lifecycle and durability -------------------------------------------------------------
+class StoreClosed(KVStoreError):
+    """A call on a store after ``close()``."""
+
+
+class StoreFailed(KVStoreError):
+    """Fail-stop: an earlier write, fsync, msync or device effect failed, or an accepted event
+    could not be applied. Every later mutating call raises this until the store is reopened
+    (reopen recovers from the journal; nothing unsynced is reported durable)."""
+
+
+class StoreLocked(KVStoreError):
+    """Another live process holds the exclusive lock on this persistence/journal directory."""
+
+
 # --- configuration / planning (spec §3, §4) ---------------------------------------------------
 class ConfigError(KVStoreError):
     """A model or serving geometry that breaks a rule of the contract."""

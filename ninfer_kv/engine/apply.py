@@ -363,6 +363,31 @@ def _device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
         page.device = dev
 
 
+def _pin(st: StoreState, e: ev.Pin) -> None:
+    pool = st.pools[e.pool]
+    for slot in unpack(e.slots).tolist():
+        page = pool.pages[slot]
+        assert page is not None, f"pin of dead slot {e.pool}:{slot}"
+        page.pins += 1
+        key = (e.pool, slot)
+        st.copy_pins[key] = st.copy_pins.get(key, 0) + 1
+
+
+def _unpin(st: StoreState, e: ev.Unpin) -> None:
+    pool = st.pools[e.pool]
+    for slot in unpack(e.slots).tolist():
+        key = (e.pool, slot)
+        n = st.copy_pins[key]
+        if n == 1:
+            del st.copy_pins[key]
+        else:
+            st.copy_pins[key] = n - 1
+        page = pool.pages[slot]
+        assert page is not None
+        page.pins -= 1
+        _maybe_free(st, pool, page)
+
+
 def _recovered(st: StoreState, e: ev.Recovered) -> None:
     """A marker for tools; the state changes follow as ordinary events."""
 
@@ -390,4 +415,6 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.HostDrop: _host_drop,
     ev.DeviceDrop: _device_drop,
     ev.DeviceRestore: _device_restore,
+    ev.Pin: _pin,
+    ev.Unpin: _unpin,
 }

@@ -10,6 +10,7 @@ the pools the store allocates — and the planner checks that the built layout's
 from __future__ import annotations
 
 import enum
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -45,6 +46,10 @@ class ModelGeometry:
     draft_kv_heads: int = 4
     draft_head_dim: int = 128
 
+    def __post_init__(self) -> None:
+        # a profile given by name is parsed here, so an unknown one is refused at once
+        object.__setattr__(self, "profile", Profile.parse(self.profile))
+
 
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
@@ -58,6 +63,13 @@ class ServingConfig:
     allowance_bytes: int = 0
     """Fixed state, workspace and CUDA-graph allowance, supplied by the caller (spec §3.2)."""
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", Backend(self.backend))
+        except ValueError:
+            raise ConfigError(f"unknown speculative backend {self.backend!r}; one of "
+                              f"{', '.join(b.value for b in Backend)}") from None
+
 
 DEFAULT_MODEL = ModelGeometry()
 """The documented small default: 8 full-attention layers, 4 KV heads, head dim 128, BF16."""
@@ -65,9 +77,18 @@ DEFAULT_SERVING = ServingConfig()
 DEFAULT_KV_TOKENS = 65536
 
 
+def _integer(name: str, v: object) -> int:
+    if isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r} is not an integer")
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) is not an integer") from None
+
+
 def _positive(**values: int) -> None:
     for name, v in values.items():
-        if v <= 0:
+        if _integer(name, v) <= 0:
             raise ConfigError(f"{name}={v} must be positive")
 
 
@@ -75,7 +96,8 @@ def validate(model: ModelGeometry, serving: ServingConfig) -> None:
     """Every rule of the geometry, checked once, before any number is derived from it."""
     _positive(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
               max_context=serving.max_context, max_concurrency=serving.max_concurrency)
-    if serving.allowance_bytes < 0:
+    _integer("draft_window", serving.draft_window)
+    if _integer("allowance_bytes", serving.allowance_bytes) < 0:
         raise ConfigError(f"allowance_bytes={serving.allowance_bytes} must be >= 0")
     bytes_per_token_head(model.profile, model.head_dim)  # raises on group divisibility
     if serving.backend is Backend.MTP:
@@ -218,6 +240,7 @@ def plan_explicit(model: ModelGeometry, serving: ServingConfig, kv_tokens: int) 
     """K_main tokens -> M = ceil(K_main / P); requires K_main >= S and M in [M_min, M_max]."""
     validate(model, serving)
     s = serving.max_context
+    kv_tokens = _integer("kv_tokens", kv_tokens)
     if kv_tokens < s:
         raise CapacityError(f"K_main={kv_tokens} tokens < S={s}: one sequence could not reach "
                             "max_context (§3.2 requires K_main >= S)")
@@ -233,6 +256,7 @@ def plan_automatic(model: ModelGeometry, serving: ServingConfig, free_bytes: int
                    headroom: int) -> CapacityPlan:
     """M = min(M_max, M_min + floor((F - R - B_min) / B_step)); requires F >= R + B_min."""
     validate(model, serving)
+    free_bytes, headroom = _integer("free_bytes", free_bytes), _integer("headroom", headroom)
     if free_bytes < 0 or headroom < 0:
         raise ConfigError(f"free_bytes={free_bytes} and headroom={headroom} must be >= 0")
     m_min, m_max = m_range(serving)

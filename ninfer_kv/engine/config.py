@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
+
+import torch
 
 from ninfer_kv.engine.capacity import (
     DEFAULT_KV_TOKENS,
@@ -12,10 +15,12 @@ from ninfer_kv.engine.capacity import (
     CapacityPlan,
     ModelGeometry,
     ServingConfig,
+    m_range,
     plan_automatic,
     plan_explicit,
 )
-from ninfer_kv.errors import KVStoreError
+from ninfer_kv.engine.layout import P
+from ninfer_kv.errors import ConfigError, KVStoreError
 from ninfer_kv.journal.log import SyncPolicy
 
 
@@ -50,6 +55,44 @@ class StoreConfig:
     persist_dir: str | None = None
     """Persistence: journal in ``<dir>/journal``, host arena file ``<dir>/host_arena.bin``
     (mmap). Inactive checkpoints with published host replicas survive a crash."""
+    checked: bool = False
+    """Checked mode: kernel wrappers given this store's views also refuse writes below the
+    writer's committed frontier and into pages the writer does not own (on in tests and the
+    demo; off by default: it costs a host-side walk of every written position)."""
+
+    def __post_init__(self) -> None:
+        """Normalize and validate every field before anything is planned or opened."""
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        try:
+            put("sync", SyncPolicy(self.sync))
+        except ValueError:
+            raise ConfigError(f"sync={self.sync!r}: must be one of "
+                              f"{', '.join(p.value for p in SyncPolicy)}") from None
+        ints = {"headroom": 0, "segment_bytes": 512, "snapshot_every": 0, "lease_window": 1,
+                "lease_cushion": 0, "host_bytes": 0}
+        for name, lo in ints.items():
+            put(name, _int(name, getattr(self, name), lo))
+        for name in ("kv_tokens", "free_bytes"):
+            if getattr(self, name) is not None:
+                put(name, _int(name, getattr(self, name), 0))
+        for name in ("journal_dir", "persist_dir"):
+            v = getattr(self, name)
+            if v is not None:
+                try:
+                    put(name, os.fspath(v))
+                except TypeError:
+                    raise ConfigError(f"{name}={v!r} is not a path") from None
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={self.device!r} is not a torch device") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device={self.device!r}: the store runs on cpu or cuda only")
+        for name in ("allocate_planes", "lease_growth", "checked"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def journal_path(self) -> str | None:
@@ -60,9 +103,23 @@ class StoreConfig:
     def plan(self) -> CapacityPlan:
         if self.free_bytes is not None:
             return plan_automatic(self.model, self.serving, self.free_bytes, self.headroom)
-        tokens = self.kv_tokens if self.kv_tokens is not None else max(
-            DEFAULT_KV_TOKENS, self.serving.max_context)
+        tokens = self.kv_tokens
+        if tokens is None:  # the documented default, clamped into [M_min, M_max] pages (§3.2)
+            m_min, m_max = m_range(self.serving)
+            tokens = min(max(DEFAULT_KV_TOKENS, self.serving.max_context, m_min * P), m_max * P)
         return plan_explicit(self.model, self.serving, tokens)
+
+
+def _int(name: str, v: object, lo: int) -> int:
+    if isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r} is not an integer")
+    try:
+        n = operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) is not an integer") from None
+    if n < lo:
+        raise ConfigError(f"{name}={n} must be >= {lo}")
+    return n
 
 
 @dataclass(slots=True)
@@ -72,3 +129,5 @@ class RecoveryReport:
     cuts: list[str] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
+    snapshots_skipped: list[str] = field(default_factory=list)
+    """Snapshots recovery refused (damaged, beyond the log, or not on the log's CRC chain)."""

@@ -21,10 +21,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
+from ninfer_kv.engine.args import as_int, one_of
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState
-from ninfer_kv.errors import CapacityExhausted, FrontierError, UnknownHandle, WritePermissionError
+from ninfer_kv.errors import (
+    CapacityExhausted,
+    FrontierError,
+    InvalidArgument,
+    UnknownHandle,
+    WritePermissionError,
+)
 from ninfer_kv.journal import events as ev
 
 if TYPE_CHECKING:
@@ -38,12 +45,29 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
                   prompt_tokens: int, max_output_tokens: int, mode: str = "auto",
                   keep_source: bool = True) -> int:
     st = store.state
+    checkpoint = as_int("checkpoint", checkpoint)
+    prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
+    max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
+    one_of("mode", mode, ("auto", "move", "fork"))
+    if not isinstance(keep_source, bool):
+        raise InvalidArgument(f"keep_source={keep_source!r} must be a bool")
     src_bundle = st.bundles.get(checkpoint)
     if src_bundle is None or src_bundle.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-    if mode not in ("auto", "move", "fork"):
-        raise ValueError(f"mode must be auto, move or fork, not {mode!r}")
+    if isinstance(frontier, Mapping):
+        unknown = sorted(set(frontier) - set(store.pools))
+        missing = [p for p in store.pools if p not in frontier]
+        if unknown or missing:
+            raise InvalidArgument(f"frontier per pool: pools {list(store.pools)} need one each; "
+                                  f"missing {missing}, unknown {unknown}")
+        frontiers = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in store.pools}
+    else:
+        f0 = as_int("frontier", frontier, lo=0)
+        frontiers = dict.fromkeys(store.pools, f0)
     total = prompt_tokens + max_output_tokens
+    if total <= 0:
+        raise FrontierError(f"prompt_tokens={prompt_tokens} + max_output_tokens="
+                            f"{max_output_tokens}: need a positive budget")
     if total > store.plan.S:
         raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} > "
                             f"S={store.plan.S} (§3.2)")
@@ -54,7 +78,7 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
         hook("create", pool)
         if pool not in src_bundle.pools:
             raise UnknownHandle(f"checkpoint {checkpoint} has no address space in pool {pool}")
-        f = frontier if isinstance(frontier, int) else frontier[pool]
+        f = frontiers[pool]
         sp = st.pools[pool].spaces[checkpoint]
         if not 0 <= f <= sp.committed:
             raise FrontierError(f"checkpoint {checkpoint} pool {pool}: frontier {f} beyond its "
@@ -93,9 +117,9 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
         hook("restore", pool)
         p = st.pools[pool]
         f = pl["frontier"]
-        tail_slot = p.spaces[checkpoint].members[f // P] if pl["tail"] else -1
+        block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)}
         for s in pl["missing"]:
-            cols = f % P if s == tail_slot else P
+            cols = min(P, f - block[s] * P)  # the columns this continuation reads
             if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
                 raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} has "
                                     "neither a device replica nor a valid host replica for "
@@ -129,6 +153,11 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
         f = pl["frontier"]
         events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total,
                                   prompt_tokens))
+        # pin what the boundary's copies read: restored pages (their host replica) and the
+        # COW source tail, so no command before the boundary can free or replace them (§5.3)
+        read = list(pl["restored"]) + ([cows[pool][2]] if pool in cows else [])
+        if read:  # released by the Unpin the boundary journals after the copies ran
+            events.append(ev.Pin(pool, ev.pack(read)))
         if pl["restored"]:
             slots = list(pl["restored"])
             events.append(ev.DeviceRestore(pool, ev.pack(slots),

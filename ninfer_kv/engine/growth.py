@@ -3,10 +3,11 @@ decode-round boundaries, and bounded completion when the pool cannot extend it.
 
 ``grow`` extends each active space toward ``committed + window + cushion`` (never past the
 sequence's prompt+output budget, plus MTP's lead), granting what the pool has available in
-sequence order. A sequence whose entitlement cannot cover its next step in some pool is
-reported as *exhausted*: the caller ends it with finish reason ``length`` at the frontier its
-window covers. The step about to launch is therefore always covered — a shortfall never
-surfaces as an exception mid-launch — and nothing is ever materialized past an entitlement.
+sequence order. A sequence whose entitlement cannot cover its next step *and* the cushion in
+some pool is reported as *exhausted*: the caller ends it with finish reason ``length`` at the
+frontier its window covers (ordinary decode never eats into the cushion). The step about to
+launch is therefore always covered — a shortfall never surfaces as an exception mid-launch —
+and nothing is ever materialized past an entitlement.
 The store never picks victims; it only says who cannot continue.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P, PoolKind, ceil_div
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
@@ -32,6 +34,7 @@ class GrowResult:
 
 
 def grow(store: KVStore, step_tokens: int = 1) -> GrowResult:
+    step_tokens = as_int("step_tokens", step_tokens, lo=1)
     cfg = store.config
     st = store.state
     res = GrowResult()
@@ -56,8 +59,10 @@ def grow(store: KVStore, step_tokens: int = 1) -> GrowResult:
                 adds.append(got)
                 available -= got
             ent = sp.entitlement + got
-            need = min(budget, sp.committed + step_tokens) + lead
-            if ceil_div(need, P) > ent:  # the next step would not be covered
+            # §6.2: the cushion is held back — the step about to launch plus one forced
+            # control span must already be covered, not merely the step
+            need = min(budget, sp.committed + step_tokens + cfg.lease_cushion) + lead
+            if ceil_div(need, P) > ent:  # the step and its cushion would not be covered
                 covers[b] = min(covers.get(b, 1 << 62), max(sp.committed, ent * P - lead))
         if ids:
             events.append(ev.Grow(name, pack(ids), pack(adds)))

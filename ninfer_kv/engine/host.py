@@ -39,12 +39,13 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class Transfer:
-    """A D2H copy queued for the next boundary."""
+    """A D2H copy queued for the next boundary; ``drop``: slots whose device replica is to be
+    dropped once the copy publishes (if ``can_drop_device`` still allows it then)."""
 
     pool: str
     slots: list[int]
     offsets: list[int]
-    drop_device: bool
+    drop: set[int]
 
 
 def replica_valid(page: LogicalKVPage, columns: int) -> bool:
@@ -56,15 +57,28 @@ def _page_bytes(st: StoreState, pool: str) -> int:
     return next(s.page_bytes for s in st.pool_specs if s.name == pool)
 
 
+def can_drop_device(pg: LogicalKVPage) -> bool:
+    """The one rule for dropping a device replica (``drop_device`` and offload's drop flag):
+    the page has a device replica, no active address space maps it (its table row would point
+    at a freed page group, §14), no pin holds it (a queued copy reads it, §5.3), and a valid
+    host replica covers its committed columns (§5.1) — so no committed byte is lost."""
+    return (pg.device != NO_PAGE and pg.active_refs == 0 and pg.pins == 0
+            and replica_valid(pg, pg.committed))
+
+
+def _checkpoint(store: KVStore, checkpoint: int) -> list[str]:
+    b = store.state.bundles.get(checkpoint)
+    if b is None or b.active:
+        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    return list(b.pools)
+
+
 def _select(store: KVStore, checkpoint: int,
             keep: Callable[[LogicalKVPage], bool]) -> list[tuple[str, list[int]]]:
     """(pool, slots) of an inactive checkpoint's unpinned pages that ``keep`` accepts."""
     st = store.state
-    b = st.bundles.get(checkpoint)
-    if b is None or b.active:
-        raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
     out = []
-    for pool in b.pools:
+    for pool in _checkpoint(store, checkpoint):
         p = st.pools[pool]
         slots = [s for s in p.spaces[checkpoint].members
                  if (pg := p.pages[s]) is not None and pg.pins == 0 and keep(pg)]
@@ -78,36 +92,50 @@ def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
     replica. Plans every extent of the recipe before emitting anything. Returns the number
     of pages queued (0: already fully offloaded)."""
     st = store.state
-    recipe = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
-                     and not replica_valid(pg, pg.committed))
+    _checkpoint(store, checkpoint)
     if st.host is None or store.arena is None:
         raise HostArenaError("the store was opened without a host arena (host_bytes=0)")
-    if not recipe:
-        return 0
+    recipe = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
+                     and not replica_valid(pg, pg.committed))
     sizes = [_page_bytes(st, pool) for pool, slots in recipe for _ in slots]
     offsets = st.host.plan([], sizes)
     if offsets is None:
         raise HostArenaError(f"host arena cannot place {len(sizes)} pages ({sum(sizes)} B) for "
                              f"checkpoint {checkpoint}: free {st.host.free_bytes} B of "
                              f"{st.host.capacity} B, largest extent too small or fragmented")
-    events = []
+    events: list[ev.DeviceDrop | ev.HostReserve] = []
+    if drop_device:  # what is already offloaded drops now; the rest when its copy publishes
+        events.extend(ev.DeviceDrop(pool, pack(slots))
+                      for pool, slots in _select(store, checkpoint, can_drop_device))
+    if not recipe:
+        store._emit(*events)
+        return 0
     i = 0
     for pool, slots in recipe:
         offs = offsets[i:i + len(slots)]
         i += len(slots)
         events.append(ev.HostReserve(pool, pack(slots), pack_i64(offs)))
-        store._transfers.append(Transfer(pool, slots, offs, drop_device))
+        store._transfers.append(Transfer(pool, slots, offs, set(slots) if drop_device else set()))
     store._emit(*events)
     return len(sizes)
 
 
 def drop_device(store: KVStore, checkpoint: int) -> int:
-    """Drop device replicas of a checkpoint's pages that only inactive spaces reference and
-    that have a valid host replica; their page groups return to the pool."""
-    sel = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE and pg.active_refs == 0
-                  and replica_valid(pg, pg.committed))
+    """Drop the device replicas of a checkpoint's pages that ``can_drop_device`` allows; their
+    page groups return to the pool. A page whose D2H copy is still queued (offload before this
+    boundary) drops when that copy publishes, by the same rule then. Returns the pages
+    dropped now plus those scheduled."""
+    pools = _checkpoint(store, checkpoint)
+    sel = _select(store, checkpoint, can_drop_device)
     store._emit(*(ev.DeviceDrop(pool, pack(slots)) for pool, slots in sel))
-    return sum(len(slots) for _, slots in sel)
+    members = {pool: set(store.state.pools[pool].spaces[checkpoint].members) for pool in pools}
+    scheduled = 0
+    for tr in store._transfers:
+        mine = [s for s in tr.slots if s in members.get(tr.pool, ())]
+        if mine:
+            tr.drop.update(mine)
+            scheduled += len(mine)
+    return sum(len(slots) for _, slots in sel) + scheduled
 
 
 def drop_host(store: KVStore, checkpoint: int) -> int:
@@ -141,15 +169,16 @@ def runs(ids: list[int]) -> int:
     return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
 
 
-def run_transfers(store: KVStore) -> list[ev.HostPublish | ev.DeviceDrop]:
-    """Run queued D2H copies; return the publish events (verified) to journal next."""
+def run_transfers(store: KVStore, transfers: list[Transfer]) -> list[ev.HostPublish]:
+    """Run queued D2H copies; return the publish events (verified) to journal next. The
+    caller applies them, then asks :func:`drops_after_publish` which replicas to drop."""
     from ninfer_kv.kernels.copy import pack_pages
 
     st = store.state
-    out: list[ev.HostPublish | ev.DeviceDrop] = []
+    out: list[ev.HostPublish] = []
     arena = store.arena
     assert arena is not None
-    for tr in store._transfers:
+    for tr in transfers:
         p = st.pools[tr.pool]
         pb = _page_bytes(st, tr.pool)
         planes = store.device.planes(tr.pool)
@@ -178,10 +207,20 @@ def run_transfers(store: KVStore) -> list[ev.HostPublish | ev.DeviceDrop]:
             crcs.append(page_checksum(host))
         out.append(ev.HostPublish(tr.pool, tr.offsets[0], pack(tr.slots), pack(epochs),
                                   pack(cov), pack_u32(crcs)))
-        if tr.drop_device:
-            out.append(ev.DeviceDrop(tr.pool, pack(tr.slots)))
-    store._transfers.clear()
     arena.flush()
+    return out
+
+
+def drops_after_publish(store: KVStore, transfers: list[Transfer]) -> list[ev.DeviceDrop]:
+    """DeviceDrop events for the transfers' ``drop`` slots, by ``can_drop_device`` evaluated
+    now (after the publish was applied): a page an active fork maps meanwhile is kept."""
+    out = []
+    for tr in transfers:
+        p = store.state.pools[tr.pool]
+        slots = sorted(s for s in tr.drop
+                       if (pg := p.pages[s]) is not None and can_drop_device(pg))
+        if slots:
+            out.append(ev.DeviceDrop(tr.pool, pack(slots)))
     return out
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from sortedcontainers import SortedDict, SortedList
 
+from ninfer_kv.journal.fs import open_private
+
 ALIGN = 64
 
 
@@ -135,12 +137,17 @@ class HostArenaBuffer:
         self.path = path
         self._mmap: mmap.mmap | None = None
         if path is not None:
-            fresh = not os.path.exists(path) or os.path.getsize(path) != capacity
-            with open(path, "a+b") as f:
-                if fresh:
-                    f.truncate(capacity)
-            self._fd = os.open(path, os.O_RDWR)
-            self._mmap = mmap.mmap(self._fd, capacity) if capacity else None
+            # the caller validated the journal against this capacity before calling (a refused
+            # open never resizes the file); a size that still differs is a damaged file, whose
+            # checkpoints recovery then drops by their CRCs
+            self._fd = open_private(path, os.O_RDWR | os.O_CREAT)
+            try:
+                if os.fstat(self._fd).st_size != capacity:
+                    os.ftruncate(self._fd, capacity)
+                self._mmap = mmap.mmap(self._fd, capacity) if capacity else None
+            except OSError:
+                os.close(self._fd)
+                raise
             self.data = (torch.frombuffer(self._mmap, dtype=torch.uint8) if capacity
                          else torch.empty(0, dtype=torch.uint8))
         else:

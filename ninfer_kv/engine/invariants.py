@@ -123,12 +123,15 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
 
 def _host_violations(st: StoreState) -> list[str]:
     """Host arena: extents tile the arena; every live extent is one page's published replica
-    or part of an unpublished destination (nothing leaked); pins == pending transfers."""
+    or part of an unpublished destination (nothing leaked); pins == pending transfers + pins
+    of queued device copies."""
+    pins: Counter[tuple[str, int]] = Counter(st.copy_pins)
     if st.host is None:
-        return []
+        return [f"page {p}:{s} pins {pg.pins} != queued copies {pins[(p, s)]}"
+                for p, pool in st.pools.items() for pg in pool.pages if pg is not None
+                for s in (pg.slot,) if pg.pins != pins[(p, s)]]
     out = list(st.host.violations())
     owned: dict[int, str] = {}
-    pins: Counter[tuple[str, int]] = Counter()
     for first, (pool, slots, offsets) in st.host_pending.items():
         if offsets[0] != first:
             out.append(f"host transfer keyed {first} starts at {offsets[0]}")
@@ -141,8 +144,8 @@ def _host_violations(st: StoreState) -> list[str]:
             if pg is None:
                 continue
             if pg.pins != pins[(name, pg.slot)]:
-                out.append(f"page {name}:{pg.slot} pins {pg.pins} != pending transfers "
-                           f"{pins[(name, pg.slot)]}")
+                out.append(f"page {name}:{pg.slot} pins {pg.pins} != pending transfers and "
+                           f"queued copies {pins[(name, pg.slot)]}")
             if pg.host is not None:
                 off = pg.host[0]
                 if off in owned:

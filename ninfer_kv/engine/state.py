@@ -25,7 +25,7 @@ from ninfer_kv.journal.events import PoolSpec
 
 class StoreState:
     __slots__ = ("pools", "bundles", "next_bundle", "plan", "pool_specs", "seq", "host",
-                 "host_pending")
+                 "host_pending", "copy_pins")
 
     def __init__(self) -> None:
         self.pools: dict[str, PoolState] = {}
@@ -37,6 +37,8 @@ class StoreState:
         self.host: ExtentAllocator | None = None  # host arena extents (None = no host tier)
         # unpublished destinations: first offset -> (pool, slots, offsets)
         self.host_pending: dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+        # pins held by queued device copies (Pin/Unpin): (pool, slot) -> count
+        self.copy_pins: dict[tuple[str, int], int] = {}
 
     @property
     def configured(self) -> bool:
@@ -65,6 +67,7 @@ class _StateSnap(msgspec.Struct, array_like=True, gc=False):
     host_free: list[tuple[int, int]] = []
     host_live: list[tuple[int, int]] = []
     host_pending: list[tuple[int, str, list[int], list[int]]] = []
+    copy_pins: list[tuple[str, int, int]] = []
 
 
 def _canonical(obj: Any) -> Any:
@@ -86,6 +89,7 @@ def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
     bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
     snap = _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
                       list(st.pool_specs), pools, bundles)
+    snap.copy_pins = [(p, s, n) for (p, s), n in sorted(st.copy_pins.items())]
     if st.host is not None:
         snap.host_capacity = st.host.capacity
         snap.host_free = list(st.host.by_off.items())
@@ -142,6 +146,7 @@ def decode_state(data: bytes) -> StoreState:
         h.live = SortedDict(dict(snap.host_live))
         st.host = h
         st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
+    st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]

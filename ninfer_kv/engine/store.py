@@ -17,7 +17,6 @@ Typical step::
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,43 +27,53 @@ import torch
 from ninfer_kv.engine import continuation, growth, host, restart
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.args import as_int, as_ints, no_duplicates, same_length
 from ninfer_kv.engine.capacity import (
     CapacityPlan,
 )
+from ninfer_kv.engine.checked import WriteGuard
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import UNMAPPED, DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
+from ninfer_kv.engine.lock import DirLock
+from ninfer_kv.engine.opening import open_store
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState, decode_state, digest, encode_state
+from ninfer_kv.engine.state import StoreState, digest, encode_state
 from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
-    ConfigError,
     EntitlementExceeded,
     FrontierError,
     FrozenUnit,
     InactiveSpace,
+    InvalidArgument,
+    KVStoreError,
     StaleHandle,
-    StateError,
+    StoreClosed,
+    StoreFailed,
     UnknownHandle,
     WritePermissionError,
 )
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import CODEC, pack
-from ninfer_kv.journal.log import Journal, JournalOptions
-from ninfer_kv.journal.recovery import recover_state
+from ninfer_kv.journal.events import pack
+from ninfer_kv.journal.log import Journal
 
 log = structlog.get_logger(__name__)
 
 
 class KVStore:
-    """The storage engine. Open with :meth:`open`; not thread-safe (one engine loop)."""
+    """The storage engine. Open with :meth:`open`; not thread-safe (one engine loop).
+
+    Lifecycle: open -> (commands, boundaries)* -> close. After ``close()`` every call raises
+    ``StoreClosed``. After any failed write, fsync, msync, device effect or apply the store is
+    *failed* (fail-stop, like PostgreSQL's fsync PANIC): every later mutating call raises
+    ``StoreFailed`` until it is reopened, which recovers from the journal."""
 
     def __init__(self, config: StoreConfig, plan: CapacityPlan, state: StoreState,
-                 journal: Journal | None) -> None:
+                 journal: Journal | None, locks: Sequence[DirLock] = ()) -> None:
         self.config = config
         self.plan = plan
         self.state = state
@@ -79,6 +88,10 @@ class KVStore:
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
         self.arena: HostArenaBuffer | None = None
         self._frozen = False
+        self._closed = False
+        self._failed: str | None = None
+        self._locks = list(locks)
+        self._snapshot_seq = state.seq
         self.fault_hook: Callable[[str, str], None] | None = None
         """Test hook called as (step, pool) at each planning step of an activation."""
         self.recovery = RecoveryReport()
@@ -88,81 +101,103 @@ class KVStore:
     # --- open / close -----------------------------------------------------------------------
     @classmethod
     def open(cls, config: StoreConfig | None = None) -> KVStore:
-        config = config or StoreConfig()
-        plan = config.plan()
-        specs = [ev.PoolSpec(kind.value, g.capacity, plan.C, plan.L, g.page_bytes)
-                 for kind, g in plan.layout.pools.items()]
-        journal = None
-        state = StoreState()
-        report = RecoveryReport()
-        jdir = config.journal_path
-        if jdir is not None:
-            journal = Journal.open(jdir, CODEC, JournalOptions(sync=config.sync,
-                                                               segment_bytes=config.segment_bytes))
-
-            def apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
-                for e in CODEC.decode(payload):
-                    apply(st, e)
-                st.seq = seq
-
-            state, last, res = recover_state(
-                jdir, schema_major=CODEC.schema[0], initial=StoreState,
-                load_snapshot=decode_state, apply_record=apply_record,
-                scan_result=journal.recovery)
-            report.records = last
-            report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
-                           for c in res.cuts]
-        store = cls(config, plan, state, journal)
-        store.recovery = report
-        if config.host_bytes:
-            path = None
-            if config.persist_dir is not None:
-                os.makedirs(config.persist_dir, exist_ok=True)
-                path = os.path.join(config.persist_dir, "host_arena.bin")
-            store.arena = HostArenaBuffer(config.host_bytes, path)
-        if not state.configured:
-            store._emit(ev.Configure(specs, plan.to_dict()))
-            if config.host_bytes:
-                store._emit(ev.HostConfigure(config.host_bytes))
-        else:
-            if state.pool_specs != specs:
-                raise ConfigError(f"journal {jdir} was written for pools "
-                                  f"{state.pool_specs}, this config plans {specs}")
-            have = state.host.capacity if state.host is not None else 0
-            if have != config.host_bytes:
-                raise ConfigError(f"journal {jdir} was written with host_bytes={have}, "
-                                  f"this config has {config.host_bytes}")
-            store._recover_cleanup()
-        store._publish_record()
-        if store.journal is not None:
-            store.journal.sync()
-        return store
+        """Lock, recover (read-only), validate, then open for writing (engine/opening.py)."""
+        return open_store(cls, config)
 
     def _recover_cleanup(self) -> None:
         restart.recover_cleanup(self)
 
+    @property
+    def failed(self) -> str | None:
+        """Why the store failed (fail-stop), or None."""
+        return self._failed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        if self._pending or self._transfers:
-            self._publish_record()
-        if self.journal is not None:
-            self.journal.close()
-            self.journal = None
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        """Publish what is pending (unless failed), sync, release files and locks. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._failed is None and (self._pending or self._transfers or self._effects):
+                self._frozen = False
+                self._publish_record()
+            if self.journal is not None and self._failed is None:
+                try:
+                    self.journal.sync()
+                except KVStoreError as exc:
+                    self._fail("close", exc)
+                    raise StoreFailed(f"close: {self._failed}") from exc
+        finally:
+            self._closed = True
+            if self.journal is not None:
+                with contextlib.suppress(KVStoreError, OSError):
+                    self.journal.close()
+                self.journal = None
+            if self.arena is not None:
+                with contextlib.suppress(OSError):
+                    self.arena.close()
+                self.arena = None
+            for lk in self._locks:
+                lk.release()
+            self._locks = []
 
     def snapshot(self) -> str | None:
+        self._usable("snapshot")
         if self.journal is None:
             return None
-        self._require_thawed("snapshot")
-        if self._pending:
+        if self._pending or self._transfers or self._effects:
             self._publish_record()
-        return self.journal.write_snapshot(encode_state(self.state))
+        try:
+            return self.journal.write_snapshot(encode_state(self.state))
+        except KVStoreError as exc:
+            self._fail("snapshot", exc)
+            raise StoreFailed(f"snapshot: {self._failed}") from exc
+
+    def compact(self) -> int:
+        """Remove journal segments wholly covered by the oldest kept snapshot."""
+        self._usable("compact")
+        if self.journal is None:
+            return 0
+        try:
+            return self.journal.compact()
+        except OSError as exc:
+            self._fail("compact", exc)
+            raise StoreFailed(f"compact: {self._failed}") from exc
+
+    # --- fail-stop ------------------------------------------------------------------------------
+    def _usable(self, what: str) -> None:
+        """Every mutating command starts here: closed, failed and frozen stores refuse."""
+        if self._closed:
+            raise StoreClosed(f"{what} refused: the store is closed")
+        if self._failed is not None:
+            raise StoreFailed(f"{what} refused: the store failed earlier ({self._failed}); "
+                              "reopen it to recover from the journal")
+        if self._frozen:
+            raise FrozenUnit(f"{what} refused: a GPU unit is in flight; tables, memberships and "
+                             "frontiers are frozen until unit_complete() (§8.4)")
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = f"{what}: {type(exc).__name__}: {exc}"
+            log.error("store.failed", reason=self._failed)
+        # queued work is abandoned, never half-run later: the journal is the truth on reopen
+        self._pending.clear()
+        self._effects.clear()
+        self._touched.clear()
+        self._transfers.clear()
 
     # --- event plumbing ---------------------------------------------------------------------
     def _emit(self, *events: Any) -> None:
         for e in events:
-            apply(self.state, e)
+            try:
+                apply(self.state, e)
+            except Exception as exc:  # a validated event that does not apply is a bug: stop
+                self._fail(f"apply {type(e).__name__}", exc)
+                raise StoreFailed(f"event {type(e).__name__} could not be applied; the store "
+                                  f"stopped: {self._failed}") from exc
             self._pending.append(e)
 
     def _touch(self, pool: str, bundle: int, block: int) -> None:
@@ -185,10 +220,20 @@ class KVStore:
         return seq
 
     def _publish_record(self) -> int:
-        """Append pending events as one record, then run the device effects in order:
-        H2D restores and COW copies (in emission order), table-slice writes; then complete
-        queued D2H transfers and journal their publication as a second record, synced (a
-        durability point)."""
+        """One boundary; any failure inside stops the store (fail-stop) and raises
+        ``StoreFailed`` — nothing queued is left to run later."""
+        try:
+            return self._publish_record_unguarded()
+        except BaseException as exc:
+            self._fail("boundary", exc)
+            raise StoreFailed(f"boundary failed; the store stopped: {self._failed}") from exc
+
+    def _publish_record_unguarded(self) -> int:
+        """Append pending events as one record (write-ahead), then run the device effects in
+        emission order — H2D restores and COW copies — and the table-slice writes. If copies
+        ran, their pins are released in a second record; queued D2H transfers then run, are
+        verified and published (with the device drops they allow) in that record, which is
+        synced before the boundary returns (a durability point)."""
         seq = self._append_pending()
         for e in self._effects:
             if isinstance(e, ev.DeviceRestore):
@@ -196,6 +241,11 @@ class KVStore:
             else:
                 self.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
         self._effects.clear()
+        if self.state.copy_pins:  # every queued copy ran: release what they pinned
+            by_pool: dict[str, list[int]] = {}
+            for (pool, slot), n in sorted(self.state.copy_pins.items()):
+                by_pool.setdefault(pool, []).extend([slot] * n)
+            self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
         for (pool, bundle), start in self._touched.items():
             sp = self.state.pools[pool].spaces.get(bundle)
             if sp is None or not sp.active:
@@ -205,22 +255,28 @@ class KVStore:
             ids.extend([UNMAPPED] * (self.plan.L - start - len(ids)))  # no stale entries
             self.device.write_table(pool, sp.row, start, ids)
         self._touched.clear()
+        durable = False
         if self._transfers:
-            published = host.run_transfers(self)
+            transfers, self._transfers = self._transfers, []
+            published = host.run_transfers(self, transfers)
             self._emit(*published)
+            self._emit(*host.drops_after_publish(self, transfers))
+            self.stats["published"] += len(published)
+            durable = True
+        if self._pending:
             seq = self._append_pending()
-            if self.journal is not None:
-                self.journal.sync()
-            self.stats["published"] += sum(isinstance(e, ev.HostPublish) for e in published)
+        if durable and self.journal is not None:
+            self.journal.sync()
         every = self.config.snapshot_every
-        if every and self.journal is not None and seq and seq % every == 0:
+        if every and self.journal is not None and seq - self._snapshot_seq >= every:
             self.journal.write_snapshot(encode_state(self.state))
+            self._snapshot_seq = seq
         return seq
 
     # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
     def close_boundary(self) -> int:
         """Publish: journal record, device effects; then freeze until unit_complete()."""
-        self._require_thawed("close_boundary")
+        self._usable("close_boundary")
         seq = self._publish_record()
         self._frozen = True
         return seq
@@ -236,25 +292,22 @@ class KVStore:
         finally:
             self.unit_complete()
 
-    def _require_thawed(self, what: str) -> None:
-        if self._frozen:
-            raise FrozenUnit(f"{what} refused: a GPU unit is in flight; tables, memberships and "
-                             "frontiers are frozen until unit_complete() (§8.4)")
-
     # --- lookups ------------------------------------------------------------------------------
     @property
     def pools(self) -> tuple[str, ...]:
         return tuple(self.state.pools)
 
     def _pool(self, pool: str | PoolKind) -> PoolState:
-        try:
-            return self.state.pools[str(pool)]
-        except KeyError:
-            raise UnknownHandle(f"pool {pool!r} is not enabled; pools: {self.pools}") from None
+        name = pool.value if isinstance(pool, PoolKind) else pool
+        p = self.state.pools.get(name) if isinstance(name, str) else None
+        if p is None:
+            raise UnknownHandle(f"pool {pool!r} is not enabled; pools: {self.pools}")
+        return p
 
     def _space(self, bundle: int, pool: str | PoolKind, *, active: bool | None = None
                ) -> KVAddressSpace:
         p = self._pool(pool)
+        bundle = as_int("seq", bundle)
         sp = p.spaces.get(bundle)
         if sp is None:
             raise UnknownHandle(f"seq {bundle} has no address space in pool {p.name}")
@@ -270,6 +323,8 @@ class KVStore:
         return self._space(bundle, pool)
 
     def page(self, handle: PageHandle) -> LogicalKVPage:
+        if not isinstance(handle, PageHandle):
+            raise InvalidArgument(f"{handle!r} is not a PageHandle")
         p = self._pool(handle.pool)
         pg = p.pages[handle.slot] if 0 <= handle.slot < len(p.pages) else None
         if pg is None or pg.gen != handle.gen:
@@ -296,9 +351,11 @@ class KVStore:
 
     def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:
         """Activate a new sequence from root; returns its id (the bundle id)."""
-        self._require_thawed("activate")
+        self._usable("activate")
+        prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
+        max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
         total = prompt_tokens + max_output_tokens
-        if prompt_tokens < 0 or max_output_tokens < 0 or total <= 0:
+        if total <= 0:
             raise FrontierError(f"prompt_tokens={prompt_tokens}, max_output_tokens="
                                 f"{max_output_tokens}: need non-negative sizes and a positive sum")
         if total > self.plan.S:
@@ -317,7 +374,7 @@ class KVStore:
 
     def grow(self, step_tokens: int = 1) -> growth.GrowResult:
         """kv_lease_growth at a decode-round boundary (engine/growth.py)."""
-        self._require_thawed("grow")
+        self._usable("grow")
         return growth.grow(self, step_tokens)
 
     def _check_capacity(self, pages: dict[str, int]) -> None:
@@ -336,21 +393,17 @@ class KVStore:
     # --- mapping (§8.1) -------------------------------------------------------------------------
     def ensure_mapped(self, bundle: int, pool: str | PoolKind, tokens: int) -> int:
         """``ensure_mapped_to_tokens``: a lower bound. Returns the pages materialized."""
-        return self.ensure_mapped_many(pool, [bundle], [tokens])
+        return self.ensure_mapped_many(pool, [as_int("seq", bundle)], [as_int("tokens", tokens)])
 
     def ensure_mapped_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                            tokens: Sequence[int] | np.ndarray) -> int:
-        self._require_thawed("ensure_mapped")
+        self._usable("ensure_mapped")
         p = self._pool(pool)
         spaces = p.spaces
         need_b: list[int] = []
         need_n: list[int] = []
-        if isinstance(bundles, np.ndarray):
-            bundles = bundles.tolist()
-        if isinstance(tokens, np.ndarray):
-            tokens = tokens.tolist()
+        bundles, tokens = _batch(bundles, "seqs", tokens, "tokens")
         limit = p.logical_pages
-        _no_duplicates(bundles)
         for b, t in zip(bundles, tokens, strict=True):
             sp = spaces.get(b)
             if sp is None or not sp.active:
@@ -385,17 +438,15 @@ class KVStore:
 
     # --- frontiers (§8.1, §8.2) ------------------------------------------------------------------
     def commit(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        self.commit_many(pool, [bundle], [frontier])
+        self.commit_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
 
     def commit_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                     frontiers: Sequence[int] | np.ndarray) -> None:
         """Advance committed frontiers after the unit succeeded; one event for the batch."""
-        self._require_thawed("commit")
+        self._usable("commit")
         p = self._pool(pool)
         spaces, pages = p.spaces, p.pages
-        bl = bundles.tolist() if isinstance(bundles, np.ndarray) else list(bundles)
-        fl = frontiers.tolist() if isinstance(frontiers, np.ndarray) else list(frontiers)
-        _no_duplicates(bl)
+        bl, fl = _batch(bundles, "seqs", frontiers, "frontiers")
         for b, f in zip(bl, fl, strict=True):
             sp = spaces.get(b)
             if sp is None or not sp.active:
@@ -410,14 +461,12 @@ class KVStore:
             # touches one block, so that case is checked without a loop
             lo, hi = old // P, (f + P - 1) // P
             if hi - lo == 1:
-                pg = pages[members[lo]]
-                if pg.writer != b or pg.pins or pg.protected > old - lo * P:  # type: ignore[union-attr]
+                if not writable(pages[members[lo]], b, old - lo * P):  # type: ignore[arg-type]
                     raise WritePermissionError(self._why_not_writable(p, b, lo))
             else:
                 for blk in range(lo, hi):
-                    pg = pages[members[blk]]
                     first = old - blk * P if blk == lo else 0  # first column written here
-                    if pg.writer != b or pg.pins or pg.protected > first:  # type: ignore[union-attr]
+                    if not writable(pages[members[blk]], b, first):  # type: ignore[arg-type]
                         raise WritePermissionError(self._why_not_writable(p, b, blk))
         self._emit(ev.CommitFrontiers(p.name, pack(bl), pack(fl)))
 
@@ -429,24 +478,25 @@ class KVStore:
                 f"{pg.epoch}: only the single private writer may write (§9.4)")
 
     def set_provisional(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        self.set_provisional_many(pool, [bundle], [frontier])
+        self.set_provisional_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
 
-    def set_provisional_many(self, pool: str | PoolKind, bundles: Sequence[int],
-                             frontiers: Sequence[int]) -> None:
-        self._require_thawed("set_provisional")
+    def set_provisional_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
+                             frontiers: Sequence[int] | np.ndarray) -> None:
+        self._usable("set_provisional")
         p = self._pool(pool)
-        _no_duplicates(bundles)
-        for b, f in zip(bundles, frontiers, strict=True):
+        bl, fl = _batch(bundles, "seqs", frontiers, "frontiers")
+        for b, f in zip(bl, fl, strict=True):
             sp = self._space(b, p.name, active=True)
             if not 0 <= f <= len(sp.members) * P:
-                raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} beyond "
-                                    f"membership {len(sp.members) * P}")
-        self._emit(ev.ProvisionalFrontiers(p.name, pack(list(bundles)), pack(list(frontiers))))
+                raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} outside "
+                                    f"[0, membership {len(sp.members) * P}]")
+        self._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))
 
     def trim(self, bundle: int, pool: str | PoolKind) -> int:
         """Unmap trailing pages: NeededPages = ceil(max(committed, provisional) / P) (§8.2).
         Returns the pages unmapped; their leases go back to this space's reservation."""
-        self._require_thawed("trim")
+        self._usable("trim")
+        bundle = as_int("seq", bundle)
         sp = self._space(bundle, pool, active=True)
         keep = ceil_div(max(sp.committed, sp.provisional), P)
         if keep >= len(sp.members):
@@ -464,16 +514,19 @@ class KVStore:
                 raise WritePermissionError(self._why_not_writable(p, sp.bundle, blk))
 
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        """Move the committed frontier back (not below the protected frontier), then trim."""
-        self._require_thawed("truncate")
+        """Move the committed frontier back (not below the protected frontier), then trim.
+        The tail page keeps its first ``frontier % P`` columns and the writer rewrites the
+        rest: it must be writable at that column (§9.4) — a page whose copy (D2H, COW) is
+        still queued is pinned and refused, as commit refuses it."""
+        self._usable("truncate")
+        bundle, frontier = as_int("seq", bundle), as_int("frontier", frontier)
         p = self._pool(pool)
         sp = self._space(bundle, pool, active=True)
         if not sp.protected <= frontier <= sp.committed:
             raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
                                 f"[protected={sp.protected}, committed={sp.committed}]")
         if frontier % P and frontier < sp.committed:
-            pg = p.pages[sp.members[frontier // P]]
-            if pg is None or pg.writer != bundle:
+            if not writable(p.pages[sp.members[frontier // P]], bundle, frontier % P):  # type: ignore[arg-type]
                 raise WritePermissionError(self._why_not_writable(p, bundle, frontier // P))
         keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
         self._check_private(p, sp, keep)
@@ -486,7 +539,11 @@ class KVStore:
     # --- termination (§8.3) -----------------------------------------------------------------------
     def finish(self, bundle: int, retain: bool = False, reason: str = "stop") -> int | None:
         """Leave execution; retain an immutable checkpoint (returns its id) or release all."""
-        self._require_thawed("finish")
+        self._usable("finish")
+        bundle = as_int("seq", bundle)
+        if not isinstance(retain, bool) or not isinstance(reason, str):
+            raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
+                                  f"{reason!r} a str")
         b = self.state.bundles.get(bundle)
         if b is None or not b.active:
             raise InactiveSpace(f"seq {bundle} is not an active sequence")
@@ -502,8 +559,10 @@ class KVStore:
         return bundle if retain else None
 
     def release(self, checkpoint: int) -> None:
-        """Drop a checkpoint's references; leases free with their last reference (§8.3)."""
-        self._require_thawed("release")
+        """Drop a checkpoint's references; leases free with their last reference (§8.3). A
+        page a queued copy still reads stays pinned until the boundary has run the copy."""
+        self._usable("release")
+        checkpoint = as_int("checkpoint", checkpoint)
         b = self.state.bundles.get(checkpoint)
         if b is None or b.active:
             raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
@@ -518,19 +577,24 @@ class KVStore:
     # --- host tier (§5.3) — see engine/host.py ---------------------------------------------
     def offload(self, checkpoint: int, drop_device: bool = False) -> int:
         """Queue D2H copies of a checkpoint's pages; published (and synced, with a
-        persistence directory) at the next boundary. Returns the pages queued."""
-        self._require_thawed("offload")
-        return host.offload(self, checkpoint, drop_device)
+        persistence directory) at the next boundary. Returns the pages queued. With
+        ``drop_device`` the device replicas go as soon as a valid host replica exists and no
+        active sequence maps them (``host.can_drop_device``)."""
+        self._usable("offload")
+        if not isinstance(drop_device, bool):
+            raise InvalidArgument(f"drop_device={drop_device!r} must be a bool")
+        return host.offload(self, as_int("checkpoint", checkpoint), drop_device)
 
     def drop_device(self, checkpoint: int) -> int:
-        """Free the device page groups of an offloaded inactive checkpoint."""
-        self._require_thawed("drop_device")
-        return host.drop_device(self, checkpoint)
+        """Free the device page groups of an offloaded inactive checkpoint; pages whose D2H
+        copy is still queued drop when it publishes (at the next boundary)."""
+        self._usable("drop_device")
+        return host.drop_device(self, as_int("checkpoint", checkpoint))
 
     def drop_host(self, checkpoint: int) -> int:
         """Free the host extents of a checkpoint that still lives on the device."""
-        self._require_thawed("drop_host")
-        return host.drop_host(self, checkpoint)
+        self._usable("drop_host")
+        return host.drop_host(self, as_int("checkpoint", checkpoint))
 
     # --- continuation (§7.3, §9) — see engine/continuation.py --------------------------------------
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,
@@ -538,27 +602,40 @@ class KVStore:
                       mode: str = "auto") -> int:
         """Continue from ``checkpoint`` at token ``frontier`` (one int, or one per pool).
         Move or Fork is decided from the real references (engine/continuation.py)."""
-        self._require_thawed("activate_from")
+        self._usable("activate_from")
         return continuation.activate_from(self, checkpoint, frontier, prompt_tokens,
                                           max_output_tokens, mode, keep_source)
 
     # --- views (§12) ---------------------------------------------------------------------------------
     def batch_view(self, pool: str | PoolKind, layer: int) -> PagedKVBatchLayerView:
-        pd = self.device.pools[str(pool)]
+        """§12.2 view of one layer. In checked mode it carries a write guard that kernel
+        wrappers call with the rows and positions they are about to write."""
+        if self._closed:
+            raise StoreClosed("batch_view refused: the store is closed")
+        name = self._pool(pool).name
+        pd = self.device.pools[name]
+        if not pd.planes:
+            raise InvalidArgument(f"pool {name} has no planes (opened with allocate_planes="
+                                  "False)")
+        layer = as_int("layer", layer, lo=0, hi=len(pd.planes) - 1)
         planes = pd.planes[layer]
         g = pd.geometry
+        guard = WriteGuard(self, name) if self.config.checked else None
         return PagedKVBatchLayerView(planes["k_code"], planes["v_code"], planes.get("k_scale"),
                                      planes.get("v_scale"), pd.block_tables, g.head_dim,
                                      g.num_kv_heads, self.config.model.profile
                                      if g.kind is not PoolKind.DRAFT_FULL else Profile.BF16,
-                                     g.order)
+                                     g.order, guard)
 
     def layer_view(self, bundle: int, pool: str | PoolKind, layer: int) -> PagedKVLayerView:
         sp = self._space(bundle, pool, active=True)
         return self.batch_view(pool, layer).row_view(sp.row)
 
-    def table_rows(self, pool: str | PoolKind, bundles: Sequence[int]) -> torch.Tensor:
-        rows = [self._space(b, pool, active=True).row for b in bundles]
+    def table_rows(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Execution rows (§7.2) of active sequences, as the int32 ``table_rows`` op input."""
+        if self._closed:
+            raise StoreClosed("table_rows refused: the store is closed")
+        rows = [self._space(b, pool, active=True).row for b in as_ints("seqs", bundles)]
         return torch.tensor(rows, dtype=torch.int32, device=self.device.device)
 
     # --- invariants and digest (§14) ----------------------------------------------------------------
@@ -593,10 +670,20 @@ class KVStore:
                 for n, p in self.state.pools.items()}
 
 
-def _no_duplicates(bundles: Sequence[int]) -> None:
-    if len(set(bundles)) != len(bundles):
-        dup = sorted({b for b in bundles if list(bundles).count(b) > 1})
-        raise StateError(f"seqs {dup} appear more than once in one batched command")
+def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
+    """§9.4 write permission, the one rule commit and truncate share: ``bundle`` is the
+    page's single writer, no pin holds it (no queued copy reads it) and no surviving
+    checkpoint protects a column at or above ``first_column``."""
+    return pg.writer == bundle and pg.pins == 0 and pg.protected <= first_column
+
+
+def _batch(bundles: Sequence[int] | np.ndarray, bname: str, values: Sequence[int] | np.ndarray,
+           vname: str) -> tuple[list[int], list[int]]:
+    """Normalized batched arguments: plain ints, equal lengths, no duplicate sequence."""
+    bl, vl = as_ints(bname, bundles), as_ints(vname, values)
+    same_length(**{bname: bl, vname: vl})
+    no_duplicates(bname, bl)
+    return bl, vl
 
 
 __all__ = ["NO_PAGE", "InvariantViolation", "KVStore", "RecoveryReport", "StoreConfig"]

@@ -6,11 +6,16 @@ positions and ``table_rows`` are separate op inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ninfer_kv.engine.layout import PlaneOrder, Profile
+
+WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
+"""Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
+validation hook only: it grants the consumer no allocator or ownership authority (§12)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +31,7 @@ class PagedKVLayerView:
     num_kv_heads: int
     storage: Profile
     order: PlaneOrder
+    guard: WriteCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +48,12 @@ class PagedKVBatchLayerView:
     num_kv_heads: int
     storage: Profile
     order: PlaneOrder
+    guard: WriteCheck | None = None
 
     def row_view(self, row: int) -> PagedKVLayerView:
         return PagedKVLayerView(self.k_pages, self.v_pages, self.k_scale_pages,
                                 self.v_scale_pages, self.block_tables[row], self.head_dim,
-                                self.num_kv_heads, self.storage, self.order)
+                                self.num_kv_heads, self.storage, self.order, self.guard)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 1)
-"""1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible)."""
+SCHEMA: tuple[int, int] = (1, 2)
+"""1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
+1.2 added the Pin/Unpin tags (transaction pins of queued device copies)."""
 
 I32 = np.dtype("<i4")
 
@@ -266,9 +267,28 @@ class DeviceRestore(_Event, tag="drest"):
     pages: bytes
 
 
+# --- transaction pins (spec §5.1, §5.3) -----------------------------------------------------------
+class Pin(_Event, tag="pin"):
+    """A queued device copy (H2D restore, COW tail) reads these pages at the next boundary: pin
+    them so no command can free, drop or replace what the copy reads (§5.3: "the only valid
+    source must not be released" while the copy runs). One pin per listed slot."""
+
+    pool: str
+    slots: bytes
+
+
+class Unpin(_Event, tag="unpin"):
+    """The boundary ran the copies: drop the pins of ``Pin`` (a page that lost its last
+    reference meanwhile is freed now)."""
+
+    pool: str
+    slots: bytes
+
+
 Event = (Configure | Recovered | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
          | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail | HostConfigure
-         | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore)
+         | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore | Pin
+         | Unpin)
 
 
 class EventCodec:

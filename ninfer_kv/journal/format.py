@@ -31,6 +31,9 @@ SNAP_HEADER_SIZE = SNAP_HEADER.size + 4  # 40
 
 SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 SNAP_RE = re.compile(r"^snap-(\d{16})\.snap$")
+TMP_RE = re.compile(r"^(seg-\d{8}\.log|snap-\d{16}\.snap)\.tmp$")
+"""The journal's own temp files (a segment or snapshot being created); the only files an
+open removes. Anything else in the directory is left alone."""
 
 
 def segment_name(n: int) -> str:

@@ -53,6 +53,41 @@ class _OsFile:
         os.close(self._fd)
 
 
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+"""Journal segments, snapshots and the host arena are user data: owner-only, whatever the
+umask, and never opened through a symlink (``O_NOFOLLOW``)."""
+
+
+def open_private(path: str, flags: int) -> int:
+    """``os.open`` that refuses a symlink and leaves a created file 0600 regardless of umask."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    if flags & os.O_CREAT:
+        try:
+            os.fchmod(fd, FILE_MODE)
+        except OSError:
+            os.close(fd)
+            raise
+    return fd
+
+
+def secure_makedirs(directory: str) -> None:
+    """Create ``directory`` (and missing parents) 0700 regardless of umask; an existing
+    directory keeps its mode (it is the caller's)."""
+    if os.path.isdir(directory):
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    if parent != directory:
+        secure_makedirs(parent)
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
+        return
+    os.chmod(directory, DIR_MODE)
+
+
 class OsFS:
     """The real thing: plain POSIX calls, one ``write`` per record."""
 
@@ -60,14 +95,15 @@ class OsFS:
         return os.listdir(directory)
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        fd = open_private(path, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
             return f.read()
 
     def create(self, path: str) -> WritableFile:
-        return _OsFile(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 0)
+        return _OsFile(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0)
 
     def open_append(self, path: str) -> WritableFile:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND)
         return _OsFile(fd, os.fstat(fd).st_size)
 
     def rename(self, src: str, dst: str) -> None:
@@ -87,7 +123,7 @@ class OsFS:
             os.close(fd)
 
     def makedirs(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
+        secure_makedirs(directory)
 
 
 OS_FS = OsFS()

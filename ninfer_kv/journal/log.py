@@ -24,6 +24,7 @@ import structlog
 from ninfer_kv.errors import JournalError, JournalFailed
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
+    TMP_RE,
     SegmentHeader,
     pack_record,
     pack_snapshot,
@@ -31,7 +32,13 @@ from ninfer_kv.journal.format import (
     snapshot_name,
 )
 from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile
-from ninfer_kv.journal.recovery import ScanResult, list_segments, list_snapshots, scan
+from ninfer_kv.journal.recovery import (
+    ScanResult,
+    apply_repairs,
+    list_segments,
+    list_snapshots,
+    scan,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -84,17 +91,30 @@ class Journal:
 
     @classmethod
     def open(cls, directory: str, codec: PayloadCodec, options: JournalOptions | None = None,
-             fs: FileSystem = OS_FS) -> Journal:
+             fs: FileSystem = OS_FS, scan_result: ScanResult | None = None) -> Journal:
+        """Recover and open for appending. ``scan_result``: a ``scan(repair=False)`` of this
+        directory made by the caller (who validated it before anything was written); its
+        repairs are carried out here. Only this journal's own temp files are removed."""
         options = options or JournalOptions()
-        fs.makedirs(directory)
-        for name in fs.listdir(directory):
-            if name.endswith(".tmp"):
-                fs.remove(os.path.join(directory, name))
-        res = scan(directory, schema_major=codec.schema[0], fs=fs, salvage=options.salvage)
-        if res.segments:  # make what recovery kept durable before a later segment exists
-            f = fs.open_append(res.segments[-1].path)
-            f.fsync()
-            f.close()
+        try:
+            fs.makedirs(directory)
+        except OSError as exc:
+            raise JournalError(f"cannot create journal directory {directory}: "
+                               f"{exc.strerror or exc}") from None
+        res = scan_result or scan(directory, schema_major=codec.schema[0], fs=fs, repair=False,
+                                  salvage=options.salvage)
+        try:
+            for name in fs.listdir(directory):
+                if TMP_RE.match(name):
+                    fs.remove(os.path.join(directory, name))
+            apply_repairs(res, fs)
+            if res.segments:  # make what recovery kept durable before a later segment exists
+                f = fs.open_append(res.segments[-1].path)
+                f.fsync()
+                f.close()
+        except OSError as exc:
+            raise JournalError(f"cannot repair journal {directory}: {exc.strerror or exc}"
+                               ) from None
         return cls(directory, codec, options, fs, res)
 
     # --- segments ---------------------------------------------------------------------------

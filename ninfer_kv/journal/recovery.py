@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import structlog
 
-from ninfer_kv.errors import JournalCorrupt, SchemaVersionError
+from ninfer_kv.errors import JournalCorrupt, JournalError, SchemaVersionError
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
     FRAME_SIZE,
@@ -54,6 +54,19 @@ class ScanResult:
     last_seq: int = 0
     last_crc: int = 0
     salvaged: bool = False
+    repairs: list[tuple[str, str, int]] = field(default_factory=list)
+    """What cutting the damage takes on disk: ("truncate", path, size) / ("remove", path, 0).
+    ``scan(repair=False)`` only lists them; :func:`apply_repairs` carries them out."""
+
+    def crc_of(self, seq: int) -> int | None:
+        """The CRC of record ``seq`` in the valid log — or, for the record just before the
+        first one kept (a compacted log), the first segment header's ``prev_crc``."""
+        if self.segments and seq == self.first_seq - 1:
+            return self.segments[0].header.prev_crc
+        for seg in self.segments:
+            if seg.frames and seg.frames[0].seq <= seq <= seg.frames[-1].seq:
+                return seg.frames[seq - seg.frames[0].seq].crc
+        return None
 
     @property
     def records(self) -> int:
@@ -67,7 +80,12 @@ class ScanResult:
 def _numbered(directory: str, pattern: re.Pattern[str], fs: FileSystem) -> list[tuple[int, str]]:
     """(number, path) of the files whose name matches ``pattern``, in number order."""
     out = []
-    for name in fs.listdir(directory):
+    try:
+        names = fs.listdir(directory)
+    except OSError as exc:
+        raise JournalError(f"cannot list journal directory {directory}: {exc.strerror or exc}"
+                           ) from None
+    for name in names:
         m = pattern.match(name)
         if m:
             out.append((int(m.group(1)), os.path.join(directory, name)))
@@ -93,21 +111,39 @@ def _later_valid(buf: bytes, start: int, salt: int) -> Frame | None:
         pos = cand + 1
 
 
+def _read(fs: FileSystem, path: str) -> bytes:
+    try:
+        return fs.read(path)
+    except OSError as exc:
+        raise JournalError(f"cannot read {path}: {exc.strerror or exc} (journal files are "
+                           "never opened through a symlink)") from None
+
+
+def apply_repairs(res: ScanResult, fs: FileSystem = OS_FS) -> None:
+    """Carry out the cuts a scan decided (truncate the damaged segment, remove later ones)."""
+    for what, path, size in res.repairs:
+        if what == "truncate":
+            fs.truncate(path, size)
+        else:
+            fs.remove(path)
+    res.repairs = []
+
+
 def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: bool = True,
          salvage: bool = False) -> ScanResult:
-    """Validate every segment in order. With ``repair`` the torn tail is cut on disk."""
+    """Validate every segment in order. With ``repair`` the torn tail is cut on disk; without
+    it nothing is written and ``res.repairs`` says what a repair would do."""
     res = ScanResult()
     segs = list_segments(directory, fs)
     expect_seq, chain = 1, 0
     for idx, (num, path) in enumerate(segs):
-        data = fs.read(path)
+        data = _read(fs, path)
         hdr = SegmentHeader.parse(data)
         is_last = idx == len(segs) - 1
         if isinstance(hdr, str):
             if is_last and len(data) <= SEG_HEADER_SIZE:
                 res.cuts.append(Cut(num, 0, len(data), f"torn segment creation: {hdr}"))
-                if repair:
-                    fs.remove(path)
+                res.repairs.append(("remove", path, 0))
                 break
             raise JournalCorrupt(num, 0, hdr)
         if hdr.schema_major > schema_major:
@@ -140,13 +176,13 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         if bad is None:
             continue
         _judge_damage(res, segs[idx:], data, off, hdr, expect_seq, bad, fs, salvage)
-        if repair:
-            fs.truncate(path, off)
-            for _, later in segs[idx + 1:]:
-                fs.remove(later)
+        res.repairs.append(("truncate", path, off))
+        res.repairs.extend(("remove", later, 0) for _, later in segs[idx + 1:])
         res.segments[-1].data = data[:off]
         break
     res.last_seq, res.last_crc = expect_seq - 1, chain
+    if repair:
+        apply_repairs(res, fs)
     for c in res.cuts:
         log.warning("journal.cut", segment=c.segment, offset=c.offset, bytes=c.bytes_cut,
                     reason=c.reason)
@@ -162,13 +198,13 @@ def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off
     durable_later = later is not None and later.durable_seq >= expect_seq
     # A later segment is created only after this one was fsynced (rotation and reopen both
     # sync first), so a later segment with a valid header proves the damaged bytes were durable.
-    if any(not isinstance(SegmentHeader.parse(fs.read(p)), str) for _, p in rest[1:]):
+    if any(not isinstance(SegmentHeader.parse(_read(fs, p)), str) for _, p in rest[1:]):
         durable_later = True
     if durable_later and not salvage:
         raise JournalCorrupt(num, off, f"{reason}; a later record proves seq {expect_seq} "
                              "had been made durable")
     res.salvaged = durable_later
-    cut = len(data) - off + sum(len(fs.read(p)) for _, p in rest[1:])
+    cut = len(data) - off + sum(len(_read(fs, p)) for _, p in rest[1:])
     res.cuts.append(Cut(num, off, cut, ("salvage: " if durable_later else "torn tail: ") + reason))
 
 
@@ -188,47 +224,77 @@ def list_snapshots(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, st
     return _numbered(directory, SNAP_RE, fs)
 
 
-def newest_snapshot(directory: str, last_seq: int, schema_major: int,
-                    fs: FileSystem = OS_FS) -> tuple[Snapshot | None, list[str]]:
-    """The newest valid snapshot not beyond the log's end, and why newer ones were skipped."""
-    skipped: list[str] = []
+def usable_snapshots(directory: str, res: ScanResult, schema_major: int,
+                     fs: FileSystem = OS_FS) -> Iterator[Snapshot | str]:
+    """Snapshots newest first: a ``Snapshot`` that may be used, or a string saying why one
+    may not. A snapshot is used only when the record it names is in the valid log with the
+    CRC the snapshot recorded (so a snapshot of a state the log was later cut below, or of
+    another journal, is never reused)."""
     for seq, path in reversed(list_snapshots(directory, fs)):
-        snap = parse_snapshot(fs.read(path))
+        name = os.path.basename(path)
+        snap = parse_snapshot(_read(fs, path))
         if isinstance(snap, str):
-            skipped.append(f"{os.path.basename(path)}: {snap}")
-        elif snap.seq != seq or snap.seq > last_seq:
-            skipped.append(f"{os.path.basename(path)}: seq {snap.seq} beyond log end {last_seq}")
+            yield f"{name}: {snap}"
+        elif snap.seq != seq:
+            yield f"{name}: header says seq {snap.seq}"
         elif snap.schema_major > schema_major:
-            skipped.append(f"{os.path.basename(path)}: schema major {snap.schema_major}")
+            yield f"{name}: schema major {snap.schema_major} > {schema_major}"
+        elif snap.seq > res.last_seq:
+            yield f"{name}: seq {snap.seq} beyond the log's last valid record {res.last_seq}"
+        elif (crc := res.crc_of(snap.seq)) != snap.last_crc:
+            where = ("not in the log (compacted past it)" if crc is None
+                     else f"has CRC {crc:#010x} in the log")
+            yield (f"{name}: names record {snap.seq} with CRC {snap.last_crc:#010x}, which "
+                   f"{where}: not on this log's chain")
         else:
-            return snap, skipped
-    return None, skipped
+            yield snap
 
 
 S = TypeVar("S")
 
 
 def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S],
-                     load_snapshot: Callable[[bytes], S],
-                     apply_record: Callable[[S, int, memoryview], None],
-                     fs: FileSystem = OS_FS, salvage: bool = False,
-                     scan_result: ScanResult | None = None) -> tuple[S, int, ScanResult]:
-    """Newest valid snapshot + replay of the tail. Returns (state, last seq, scan)."""
+                  load_snapshot: Callable[[bytes], S],
+                  apply_record: Callable[[S, int, memoryview], None],
+                  fs: FileSystem = OS_FS, salvage: bool = False,
+                  scan_result: ScanResult | None = None,
+                  skipped: list[str] | None = None) -> tuple[S, int, ScanResult]:
+    """Newest usable snapshot + replay of the tail. Returns (state, last seq, scan).
+
+    A snapshot that cannot be used (damaged, beyond the log, off its CRC chain, or whose
+    payload ``load_snapshot`` refuses) is skipped, logged and listed in ``skipped``; with
+    none usable the whole log is replayed — which needs the log to start at seq 1. A record
+    that ``apply_record`` cannot apply raises ``JournalCorrupt`` naming it."""
     res = scan_result or scan(directory, schema_major=schema_major, fs=fs, salvage=salvage)
-    snap, skipped = newest_snapshot(directory, res.last_seq, schema_major, fs)
+    skipped = [] if skipped is None else skipped
+    state: S | None = None
+    start = 1
+    for cand in usable_snapshots(directory, res, schema_major, fs):
+        if isinstance(cand, str):
+            skipped.append(cand)
+            continue
+        try:
+            state, start = load_snapshot(cand.payload), cand.seq + 1
+            break
+        except Exception as exc:  # a foreign or incompatible payload: never trusted
+            skipped.append(f"snap-{cand.seq:016d}.snap: payload does not decode: {exc!r}")
     for why in skipped:
         log.warning("journal.snapshot_skipped", reason=why)
-    if snap is not None:
-        state, start = load_snapshot(snap.payload), snap.seq + 1
-    else:
+    if state is None:
         if res.first_seq != 1:
-            raise JournalCorrupt(res.segments[0].number, 0, "log was compacted to seq "
-                                 f"{res.first_seq} but no valid snapshot covers it")
-        state, start = initial(), 1
+            raise JournalCorrupt(res.segments[0].number, 0, "the log starts at seq "
+                                 f"{res.first_seq} (compacted, or its first segment is gone) "
+                                 "and no usable snapshot covers the records before it")
+        state = initial()
     for f, payload in iter_frames(res, start):
-        apply_record(state, f.seq, payload)
+        try:
+            apply_record(state, f.seq, payload)
+        except (KeyError, ValueError, TypeError, AssertionError, IndexError) as exc:
+            seg = next(s.number for s in res.segments if s.frames and s.frames[-1].seq >= f.seq)
+            raise JournalCorrupt(seg, f.offset, f"record {f.seq} is well-formed but cannot be "
+                                 f"applied to the state before it: {exc!r}") from None
     return state, res.last_seq, res
 
 
-__all__ = ["FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "iter_frames", "list_segments",
-           "list_snapshots", "newest_snapshot", "recover_state", "scan"]
+__all__ = ["FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "apply_repairs", "iter_frames",
+           "list_segments", "list_snapshots", "recover_state", "scan", "usable_snapshots"]

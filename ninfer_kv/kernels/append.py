@@ -18,8 +18,10 @@ import torch
 from numba import cuda
 
 from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import quant
 from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
+from ninfer_kv.kernels.checks import check_mapped, check_view
 from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
 
 _ENC_CPU = quant.for_target(quant.encode_row, cpu=True)
@@ -42,9 +44,10 @@ def _append_cpu(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v)
         h = i % n_heads
         pos = positions[b]
         g = tables[rows[b], pos >> 6]
-        o = pos & 63
-        _ENC_CPU(k_codec, k[b, h], kc, ks, g, h, o, d)
-        _ENC_CPU(v_codec, v[b, h], vc, vs, g, h, o, d)
+        if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
+            o = pos & 63
+            _ENC_CPU(k_codec, k[b, h], kc, ks, g, h, o, d)
+            _ENC_CPU(v_codec, v[b, h], vc, vs, g, h, o, d)
 
 
 @functools.cache
@@ -60,9 +63,10 @@ def _append_cuda() -> Any:
             h = i % n_heads
             pos = positions[b]
             g = tables[rows[b], pos >> 6]
-            o = pos & 63
-            enc(k_codec, k[b, h], kc, ks, g, h, o, d)
-            enc(v_codec, v[b, h], vc, vs, g, h, o, d)
+            if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
+                o = pos & 63
+                enc(k_codec, k[b, h], kc, ks, g, h, o, d)
+                enc(v_codec, v[b, h], vc, vs, g, h, o, d)
 
     return kernel
 
@@ -77,12 +81,19 @@ def page_major(t: torch.Tensor | None, order: PlaneOrder) -> torch.Tensor | None
 def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
     if k.shape != v.shape or k.dim() != 3 or k.shape[0] != table_rows.shape[0] or \
-            positions.shape != table_rows.shape:
-        raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, table_rows "
-                         f"{tuple(table_rows.shape)}, positions {tuple(positions.shape)} disagree")
+            positions.shape != table_rows.shape or table_rows.dim() != 1:
+        raise InvalidArgument(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, table_rows "
+                              f"{tuple(table_rows.shape)}, positions {tuple(positions.shape)} "
+                              "disagree (want k, v [B, H, D]; table_rows, positions [B])")
     if k.shape[1] != view.num_kv_heads or k.shape[2] != view.head_dim:
-        raise ValueError(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
-                         f"({view.num_kv_heads}, {view.head_dim})")
+        raise InvalidArgument(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
+                              f"({view.num_kv_heads}, {view.head_dim})")
+    if not k.is_floating_point() or not v.is_floating_point():
+        raise InvalidArgument(f"append_kv: k/v must be floating point, got {k.dtype}/{v.dtype}")
+    check_view(view, "append_kv")
+    check_mapped(view, table_rows, positions, "append_kv")
+    if getattr(view, "guard", None) is not None:  # checked mode: writer/frontier/ownership
+        view.guard(table_rows, positions)
     kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
     vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from numba import cuda, float32
 
+from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import codecs, quant
 from ninfer_kv.kernels.append import page_major, side_codecs
 from ninfer_kv.kernels.backend import (
@@ -39,6 +40,7 @@ from ninfer_kv.kernels.backend import (
     simulator,
     use_cuda_kernels,
 )
+from ninfer_kv.kernels.checks import check_read_domain, check_view
 
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
@@ -242,10 +244,13 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     n_rows, hq, d = q.shape
     h_kv = view.num_kv_heads
     if d != view.head_dim or hq % h_kv or d % 32 or d > 32 * MAXE:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)} vs view heads={h_kv} "
-                         f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, D <= 256)")
+        raise InvalidArgument(f"paged_decode: q {tuple(q.shape)} vs view heads={h_kv} "
+                              f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, "
+                              "D <= 256)")
     if table_rows.shape != (n_rows,) or context_lens.shape != (n_rows,):
-        raise ValueError("paged_decode: table_rows and context_lens must be [B]")
+        raise InvalidArgument("paged_decode: table_rows and context_lens must be [B]")
+    check_view(view, "paged_decode")
+    check_read_domain(view, table_rows, context_lens, "paged_decode")
     kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
     vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)

@@ -3,6 +3,13 @@
 event, return the state and its digest; diff two journals.
 """
 
-from ninfer_kv.replay.core import DiffResult, ReplayResult, Violation, diff, replay
+from ninfer_kv.replay.core import (
+    DiffResult,
+    ReplayResult,
+    Violation,
+    diff,
+    replay,
+    replay_start,
+)
 
-__all__ = ["DiffResult", "ReplayResult", "Violation", "diff", "replay"]
+__all__ = ["DiffResult", "ReplayResult", "Violation", "diff", "replay", "replay_start"]

@@ -9,8 +9,10 @@ from typing import Any
 
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.invariants import violations
-from ninfer_kv.engine.state import StoreState, digest, to_snapshot
+from ninfer_kv.engine.state import StoreState, decode_state, digest, to_snapshot
+from ninfer_kv.errors import JournalCorrupt, JournalError
 from ninfer_kv.journal.reader import JournalReader
+from ninfer_kv.journal.recovery import usable_snapshots
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,36 @@ class ReplayResult:
         return self.events / self.seconds if self.seconds > 0 else float("inf")
 
 
+def replay_start(reader: JournalReader, until: int | None = None) -> tuple[StoreState, int]:
+    """(state, first record to apply). From the empty state when the log starts at record 1;
+    when it does not (compacted, or its first segment is gone), from the oldest snapshot on
+    the log's CRC chain (``usable_snapshots``) — replay then checks every record after it.
+    Raises ``JournalCorrupt`` when no snapshot covers the missing records, or ``until`` lies
+    before the first state the journal can show."""
+    res = reader.scan
+    if res.first_seq == 1:
+        return StoreState(), 1
+    why: list[str] = []
+    for cand in reversed(list(usable_snapshots(reader.directory, res, reader.codec.schema[0]))):
+        if isinstance(cand, str):
+            why.append(cand)
+            continue
+        if until is not None and cand.seq > until:
+            raise JournalCorrupt(res.segments[0].number, 0, f"record {until} lies before the "
+                                 f"oldest state this journal still holds (snapshot at "
+                                 f"{cand.seq}; the log starts at {res.first_seq})")
+        try:
+            st = decode_state(cand.payload)
+        except Exception as exc:  # a payload that does not decode is never trusted
+            why.append(f"snapshot {cand.seq}: payload does not decode: {exc!r}")
+            continue
+        return st, cand.seq + 1
+    raise JournalCorrupt(res.segments[0].number if res.segments else 0, 0,
+                         f"the log starts at seq {res.first_seq} (compacted, or its first "
+                         "segment is gone) and no usable snapshot covers the records before it"
+                         + (f" ({'; '.join(why)})" if why else ""))
+
+
 def replay(directory: str, *, verify_every: int = 0, until_record: int | None = None,
            until_event: int | None = None, salvage: bool = False,
            progress: Callable[[int, int], None] | None = None,
@@ -45,13 +77,13 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
     ``until_record``: stop after that record; ``until_event``: stop after that many events.
     """
     reader = JournalReader(directory, salvage=salvage)
-    st = StoreState()
+    st, start = replay_start(reader, until_record)
     found: list[Violation] = []
     n_events = n_records = 0
     t0 = time.perf_counter()
     last = reader.last_seq
     done = False
-    for seq, events in reader.records():
+    for seq, events in reader.records(start):
         if until_record is not None and seq > until_record:
             break
         for i, e in enumerate(events):
@@ -91,8 +123,10 @@ class DiffResult:
 def diff(left: str, right: str) -> DiffResult:
     """Replay two journals side by side; report the first record after which states differ."""
     a, b = JournalReader(left), JournalReader(right)
-    sa, sb = StoreState(), StoreState()
-    for (qa, ea), (qb, eb) in zip(a.records(), b.records(), strict=False):
+    (sa, fa), (sb, fb) = replay_start(a), replay_start(b)
+    if fa != fb:
+        raise JournalError(f"cannot diff: {left} starts at record {fa}, {right} at {fb}")
+    for (qa, ea), (qb, eb) in zip(a.records(fa), b.records(fb), strict=False):
         for e in ea:
             apply(sa, e)
         for e in eb:

@@ -17,7 +17,7 @@ from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.errors import KVStoreError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
-from ninfer_kv.replay import replay
+from ninfer_kv.replay import replay, replay_start
 from ninfer_kv.tools.output import emit_json
 
 Command = Callable[[argparse.Namespace, Console], int]
@@ -104,9 +104,10 @@ def _touches(st: StoreState, e: Any, pool: str, slot: int) -> bool:
 
 def state_at(directory: str, at: int | None,
              page: tuple[str, int] | None = None) -> tuple[StoreState, list[dict[str, Any]]]:
-    st = StoreState()
+    reader = JournalReader(directory)
+    st, start = replay_start(reader, at)
     history: list[dict[str, Any]] = []
-    for seq, events in JournalReader(directory).records():
+    for seq, events in reader.records(start):
         if at is not None and seq > at:
             break
         for i, e in enumerate(events):
@@ -224,8 +225,9 @@ def kv_events(directory: str) -> Iterator[dict[str, Any]]:
     """vLLM-shaped KV events derived from the journal: BlockStored when pages become reusable
     (a retained checkpoint on GPU, a published host replica on CPU), BlockRemoved with the
     reason our journal knows, AllBlocksCleared(GPU) on a restart."""
-    st = StoreState()
-    for seq, events in JournalReader(directory).records():
+    reader = JournalReader(directory)
+    st, start = replay_start(reader)
+    for seq, events in reader.records(start):
         for e in events:
             before: dict[tuple[str, int], int] = {}
             reason = _removal_reason(e)

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ninfer_kv.engine.apply import apply
-from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
+from ninfer_kv.replay import replay_start
 from ninfer_kv.tools.output import emit_json
 from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, simulate
 
@@ -80,10 +80,10 @@ def timeline(directory: str, max_points: int = 2000) -> dict[str, Any]:
     arena use, and the cumulative prefix-hit ratio (Fork/Move frontier over prompt tokens)."""
     reader = JournalReader(directory)
     step = max(1, reader.last_seq // max_points)
-    st = StoreState()
+    st, start = replay_start(reader)
     data: dict[str, Any] = {"record": [], "pools": {}, "host_used": [], "prefix_hit_ratio": []}
     hit = prompt = 0
-    for seq, events in reader.records():
+    for seq, events in reader.records(start):
         for e in events:
             if isinstance(e, ev.Activate) and e.pool == "main":
                 prompt += e.prompt

@@ -20,8 +20,8 @@ def small_config(tmp: Path | None, *, pages: int = 64, concurrency: int = 4, con
                           draft_head_dim=64)
     serving = ServingConfig(max_context=context, max_concurrency=concurrency, backend=backend,
                             draft_window=kw.pop("draft_window", 4))
-    return StoreConfig(model=model, serving=serving, kv_tokens=pages * 64,
-                       journal_dir=str(tmp / "journal") if (journal and tmp) else None, **kw)
+    kw.setdefault("journal_dir", str(tmp / "journal") if (journal and tmp) else None)
+    return StoreConfig(model=model, serving=serving, kv_tokens=pages * 64, **kw)
 
 
 @pytest.fixture
@@ -37,3 +37,21 @@ def make_store(tmp_path: Path) -> MakeStore:
     for s in opened:
         if s.journal is not None:
             s.close()
+
+
+def crash(s: KVStore) -> None:
+    """What ``kill -9`` does to a store: its file descriptors close with no flush and no fsync
+    (written bytes stay in the OS page cache, as they would), its locks go, nothing pending is
+    published. The object is dead afterwards."""
+    if s.journal is not None:
+        if s.journal._file is not None:
+            s.journal._file.close()
+        s.journal._file = None
+        s.journal = None
+    if s.arena is not None:
+        s.arena.close()
+        s.arena = None
+    for lk in getattr(s, "_locks", []):
+        lk.release()
+    s._locks = []
+    s._closed = True

@@ -13,12 +13,13 @@ from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import HostArenaError
 from ninfer_kv.journal.events import DeviceDrop, HostPublish, HostReserve, unpack
 from ninfer_kv.journal.reader import JournalReader
-from tests.engine.conftest import small_config
+from tests.engine.conftest import crash, small_config
 from tests.engine.test_continuation import checkpoint_at, page_bytes, step
 
 
 def host_store(tmp: Path, **kw) -> KVStore:
-    return KVStore.open(small_config(None, pages=80, host_bytes=kw.pop("host_bytes", 8 << 20),
+    return KVStore.open(small_config(None, pages=kw.pop("pages", 80),
+                                     host_bytes=kw.pop("host_bytes", 8 << 20),
                                      persist_dir=str(tmp / "persist"), **kw))
 
 
@@ -62,7 +63,7 @@ def test_persisted_checkpoint_survives_reopen(tmp_path: Path) -> None:
     lost = checkpoint_at(s, 200)  # never offloaded: device-only
     s.offload(ck)
     step(s)
-    s.journal.sync()  # what a crash leaves: no close()
+    crash(s)  # what a crash leaves: no close()
     s2 = KVStore.open(s.config)
     assert s2.recovery.kept == [ck]
     assert "device-only" in s2.recovery.dropped[lost]
@@ -88,8 +89,7 @@ def test_corrupt_host_page_drops_checkpoint(tmp_path: Path) -> None:
     s.offload(good)
     step(s)
     off = s.state.pools["main"].pages[s.space(ck).members[2]].host[0]
-    s.journal.sync()
-    s.arena.flush()
+    crash(s)
     with open(tmp_path / "persist" / "host_arena.bin", "r+b") as f:
         f.seek(off + 5)
         b = f.read(1)
@@ -107,9 +107,8 @@ def test_unpublished_destination_is_aborted(tmp_path: Path) -> None:
     s = host_store(tmp_path)
     ck = checkpoint_at(s, 300)
     s.offload(ck)
-    s._publish_record = lambda: 0  # crash before the copy/publish: reserve is journaled only
-    s._append_pending()
-    s.journal.sync()
+    s._append_pending()  # crash before the copy/publish: the reserve is journaled only
+    crash(s)
     s2 = KVStore.open(s.config)
     assert not s2.state.host_pending and ck in s2.recovery.dropped
     assert s2.state.host.live_bytes == 0  # no extent leaked
@@ -143,28 +142,30 @@ def test_drop_host_frees_extents_and_reoffload(tmp_path: Path) -> None:
     s.close()
 
 
-def test_copies_run_in_emission_order_when_a_page_is_reused(tmp_path: Path) -> None:
-    """Fork+release frees the source tail page inside one record; a later restore in the
-    same record may reuse that page group. The COW copy must read it first."""
+def test_copy_source_is_pinned_until_the_boundary_ran_the_copy(tmp_path: Path) -> None:
+    """Fork+release drops the source tail's last reference before the boundary; the queued
+    COW copy pins it, so a later restore in the same record cannot reuse its page group, and
+    the Unpin after the copy frees it (§5.3: the only valid source is not released)."""
     s = host_store(tmp_path)
     a = checkpoint_at(s, 100)   # 2 pages: tail has 36 committed columns
     c = s.activate_from(a, 64, 64, 10)  # shares a's first page, so a is not private
     s.finish(c, retain=True)
     b = checkpoint_at(s, 130)
     main = s.state.pools["main"]
-    tail_dev = main.pages[s.space(a).members[1]].device
+    tail_slot = s.space(a).members[1]
+    tail_dev = main.pages[tail_slot].device
     tail_before = page_bytes(s, "main", tail_dev)
     s.offload(b)
     step(s)
     s.drop_device(b)
     step(s)
-    # one record: Fork a (COW of its tail) and release a, then continue b, whose H2D
-    # restore reuses the page group that held a's tail
-    x = s.activate_from(a, 100, 100, 10, keep_source=False)
+    x = s.activate_from(a, 100, 100, 10, keep_source=False)  # Fork (COW tail) + Release(a)
+    assert main.pages[tail_slot].refs == 0 and main.pages[tail_slot].pins == 1
     y = s.activate_from(b, 128, 128, 10)
     restored = [e for e in s._effects if type(e).__name__ == "DeviceRestore"]
-    assert tail_dev in unpack(restored[0].pages).tolist()  # the scenario really happens
+    assert tail_dev not in unpack(restored[0].pages).tolist()  # the pinned group is not reused
     step(s)
+    assert main.pages[tail_slot] is None  # unpinned after the copy: freed
     got = page_bytes(s, "main", main.pages[s.space(x).members[1]].device)
     for g, w in zip(got, tail_before, strict=True):
         assert torch.equal(g[:, :36], w[:, :36])

@@ -38,8 +38,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.steps = 0
 
     def teardown(self) -> None:
+        self.store.close()  # publishes what is pending (and releases copy pins)
         live = self.store.digest()
-        self.store.close()
         r = replay(str(self.dir / "journal"))
         assert r.digest == live, "replay digest differs from live"
         assert not r.violations

@@ -14,9 +14,9 @@ from ninfer_kv.errors import (
     FrontierError,
     FrozenUnit,
     InactiveSpace,
+    InvalidArgument,
     KVStoreError,
     StaleHandle,
-    StateError,
     UnknownHandle,
 )
 from ninfer_kv.journal.events import Materialize
@@ -192,9 +192,9 @@ def _errors(s: KVStore):
         (UnknownHandle, "not an inactive checkpoint", lambda: s.release(a)),
         (InactiveSpace, "not an active", lambda: s.finish(ck)),
         (FrontierError, "> S=2048", lambda: s.activate(2000, 49)),
-        (FrontierError, "non-negative", lambda: s.activate(-1, 5)),
+        (InvalidArgument, "prompt_tokens=-1 must be >= 0", lambda: s.activate(-1, 5)),
         (CapacityExhausted, "need 32 pages, 29 available", lambda: s.activate(2000, 48)),
-        (StateError, "more than once", lambda: s.commit_many("main", [a, a], [64, 64])),
+        (InvalidArgument, "more than once", lambda: s.commit_many("main", [a, a], [64, 64])),
         (StaleHandle, "stale", lambda: s.page(PageHandle("main", 0, 7))),
         (FrontierError, "provisional frontier 999", lambda: s.set_provisional(a, "main", 999)),
     ]

@@ -1,0 +1,67 @@
+"""Normalizing caller input at the public boundary.
+
+Every integer a caller passes goes through :func:`as_int` (``operator.index``: Python and numpy
+integers pass, floats, strings and bools do not) before any rule is checked, so a journaled
+event only ever holds plain ``int`` values. Batched arguments go through :func:`as_ints`.
+Both raise :class:`~ninfer_kv.errors.InvalidArgument`, which names the argument and the rule.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ninfer_kv.errors import InvalidArgument
+
+
+def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``operator.index(value)`` checked against ``[lo, hi]``."""
+    if isinstance(value, bool | np.bool_):
+        raise InvalidArgument(f"{name}={value!r}: a bool is not an integer")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name}={value!r} ({type(value).__name__}) is not an integer"
+                              ) from None
+    if lo is not None and v < lo:
+        raise InvalidArgument(f"{name}={v} must be >= {lo}")
+    if hi is not None and v > hi:
+        raise InvalidArgument(f"{name}={v} must be <= {hi}")
+    return v
+
+
+def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
+    """A batch of integers as a list of plain ints (numpy integer arrays are accepted whole)."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise InvalidArgument(f"{name}: want a 1-D integer array, got dtype {values.dtype} "
+                                  f"shape {values.shape}")
+        return values.tolist()
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise InvalidArgument(f"{name}={values!r}: want a sequence of integers")
+    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def same_length(**batches: Sequence[Any]) -> int:
+    """The common length of batched arguments; refuses a mismatch naming every length."""
+    lengths = {k: len(v) for k, v in batches.items()}
+    if len(set(lengths.values())) > 1:
+        raise InvalidArgument("batched arguments differ in length: "
+                              + ", ".join(f"{k}={n}" for k, n in lengths.items()))
+    return next(iter(lengths.values()), 0)
+
+
+def no_duplicates(name: str, values: Sequence[int]) -> None:
+    if len(set(values)) != len(values):
+        seen: set[int] = set()
+        dup = sorted({v for v in values if v in seen or seen.add(v)})  # type: ignore[func-returns-value]
+        raise InvalidArgument(f"{name}: {dup} appear more than once in one batched command")
+
+
+def one_of(name: str, value: Any, allowed: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidArgument(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value

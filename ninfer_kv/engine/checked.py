@@ -1,0 +1,58 @@
+"""Checked mode (``StoreConfig(checked=True)``): the kernel wrappers ask, on the host, whether
+every position they are about to write belongs to its writer (spec §9.4, §12.4).
+
+The caller guarantees of §12.4 become checks: a written position must lie in a leased table
+row's membership, at or above that sequence's committed frontier (committed tokens are
+canonical and never rewritten in place — truncate first), in a page whose single writer is
+that sequence, that no pin holds and that no surviving checkpoint protects at that column.
+It walks every written position in Python, so it is for tests, the demo and debugging.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ninfer_kv.engine.layout import P
+from ninfer_kv.errors import InvalidArgument, WritePermissionError
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+
+class WriteGuard:
+    __slots__ = ("_store", "_pool")
+
+    def __init__(self, store: KVStore, pool: str) -> None:
+        self._store = store
+        self._pool = pool
+
+    def __call__(self, table_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        p = self._store.state.pools[self._pool]
+        rows = table_rows.tolist()
+        pos = positions.tolist()
+        if len(rows) != len(pos):
+            raise InvalidArgument(f"checked write: {len(rows)} table_rows, {len(pos)} positions")
+        for r, x in zip(rows, pos, strict=True):
+            b = p.row_owner.get(r)
+            if b is None:
+                raise WritePermissionError(f"checked write: pool {p.name} table row {r} is not "
+                                           "leased to an active sequence (§7.2)")
+            sp = p.spaces[b]
+            if x < sp.committed:
+                raise WritePermissionError(
+                    f"checked write: seq {b} pool {p.name} position {x} is below its committed "
+                    f"frontier {sp.committed}; committed tokens are not rewritten (§8.1)")
+            blk = x // P
+            if blk >= len(sp.members):
+                raise WritePermissionError(
+                    f"checked write: seq {b} pool {p.name} position {x} is not mapped "
+                    f"(membership {len(sp.members) * P} tokens; ensure_mapped first, §8.1)")
+            pg = p.pages[sp.members[blk]]
+            assert pg is not None
+            if pg.writer != b or pg.pins or pg.protected > x % P:
+                raise WritePermissionError(
+                    f"checked write: seq {b} pool {p.name} position {x} lands in page "
+                    f"{p.name}:{pg.slot} (writer={pg.writer}, pins={pg.pins}, protected="
+                    f"{pg.protected}): only its single unpinned writer may write (§9.4)")

@@ -1,0 +1,58 @@
+"""One writer per directory: an exclusive ``flock`` on ``<dir>/LOCK`` for the store's lifetime.
+
+The lock file holds the holder's pid (for the error message only; the kernel lock is what
+excludes). ``flock`` locks belong to the open file description, so the lock ends when the
+holder closes it or dies — no stale lock survives a ``kill -9``. Read-only tools (replay,
+inspect, dump, events) never take it and never write.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+from ninfer_kv.errors import StoreLocked
+from ninfer_kv.journal.fs import secure_makedirs
+
+LOCK_NAME = "LOCK"
+
+
+class DirLock:
+    __slots__ = ("path", "_fd")
+
+    def __init__(self, directory: str) -> None:
+        secure_makedirs(directory)
+        self.path = os.path.join(directory, LOCK_NAME)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise StoreLocked(f"{directory} is locked by another store (pid {holder}); one "
+                              "writer per directory — close that store first") from None
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the description drops the flock
+            self._fd = None
+
+
+def lock_dirs(directories: list[str]) -> list[DirLock]:
+    """Lock each distinct directory (sorted, so two stores never wait on each other)."""
+    held: list[DirLock] = []
+    try:
+        for d in sorted({os.path.abspath(x) for x in directories}):
+            held.append(DirLock(d))
+    except BaseException:
+        for lk in held:
+            lk.release()
+        raise
+    return held

@@ -1,0 +1,128 @@
+"""Opening a store: lock, recover read-only, validate, and only then write.
+
+The order is the rule (issue: "a refused open has already truncated the arena"):
+
+1. the configuration is validated (``StoreConfig.__post_init__``) and planned;
+2. the persistence/journal directories are created 0700 if missing and locked (``LOCK``) —
+   the only files written before validation, and neither holds user data;
+3. the journal is scanned and replayed *without repairing anything* (snapshot + tail);
+4. the recovered pool set and host capacity are compared with the configuration — a
+   mismatch raises ``ConfigError`` with every file as it was;
+5. only now: the journal's torn tail is cut and a new segment started, the host arena file
+   is mapped (and sized), and the restart cleanup record is written and synced.
+
+Any failure releases the locks and closes what was opened.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ninfer_kv.engine.config import RecoveryReport, StoreConfig
+from ninfer_kv.engine.host_arena import HostArenaBuffer
+from ninfer_kv.engine.lock import lock_dirs
+from ninfer_kv.engine.state import StoreState, decode_state
+from ninfer_kv.errors import ConfigError, InvalidArgument, JournalError
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.log import Journal, JournalOptions
+from ninfer_kv.journal.recovery import recover_state, scan
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+ARENA_NAME = "host_arena.bin"
+
+
+def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
+    from ninfer_kv.engine.apply import apply
+
+    for e in CODEC.decode(payload):
+        apply(st, e)
+    st.seq = seq
+
+
+def _check_dir(name: str, path: str) -> None:
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+        raise ConfigError(f"{name}={path!r} exists and is not a directory")
+
+
+def open_store(cls: type[KVStore], config: StoreConfig | None) -> KVStore:
+    config = StoreConfig() if config is None else config
+    if not isinstance(config, StoreConfig):
+        raise InvalidArgument(f"config must be a StoreConfig, not {type(config).__name__}")
+    plan = config.plan()
+    if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={config.device!r}: torch sees no CUDA device here")
+    specs = [ev.PoolSpec(kind.value, g.capacity, plan.C, plan.L, g.page_bytes)
+             for kind, g in plan.layout.pools.items()]
+    jdir = config.journal_path
+    dirs = [d for d in (config.persist_dir, jdir) if d is not None]
+    for name, d in (("persist_dir", config.persist_dir), ("journal_dir", jdir)):
+        if d is not None:
+            _check_dir(name, d)
+    arena_path = (os.path.join(config.persist_dir, ARENA_NAME)
+                  if config.persist_dir is not None and config.host_bytes else None)
+    try:
+        locks = lock_dirs(dirs)
+    except OSError as exc:
+        raise ConfigError(f"cannot create or lock {dirs}: {exc.strerror or exc}") from None
+    opened: list[Any] = []
+    try:
+        state, report, res = StoreState(), RecoveryReport(), None
+        if jdir is not None:                                   # 3. read-only recovery
+            res = scan(jdir, schema_major=CODEC.schema[0], repair=False)
+            state, last, res = recover_state(
+                jdir, schema_major=CODEC.schema[0], initial=StoreState,
+                load_snapshot=decode_state, apply_record=_apply_record, scan_result=res,
+                skipped=report.snapshots_skipped)
+            report.records = last
+            report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
+                           for c in res.cuts]
+        if state.configured:                                   # 4. validate against it
+            if state.pool_specs != specs:
+                raise ConfigError(f"journal {jdir} was written for pools {state.pool_specs}, "
+                                  f"this config plans {specs}")
+            have = state.host.capacity if state.host is not None else 0
+            if have != config.host_bytes:
+                raise ConfigError(f"journal {jdir} was written with host_bytes={have}, this "
+                                  f"config has {config.host_bytes}")
+        if arena_path is not None and os.path.lexists(arena_path) and (
+                os.path.islink(arena_path) or not os.path.isfile(arena_path)):
+            raise ConfigError(f"host arena {arena_path} is not a regular file")
+        journal = None                                         # 5. now write
+        if jdir is not None:
+            journal = Journal.open(jdir, CODEC, JournalOptions(
+                sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res)
+            opened.append(journal)
+        store = cls(config, plan, state, journal, locks)
+        store.recovery = report
+        if config.host_bytes:
+            try:
+                store.arena = HostArenaBuffer(config.host_bytes, arena_path)
+            except OSError as exc:
+                raise ConfigError(f"cannot map host arena {arena_path}: {exc.strerror or exc}"
+                                  ) from None
+            opened.append(store.arena)
+        if not state.configured:
+            store._emit(ev.Configure(specs, plan.to_dict()))
+            if config.host_bytes:
+                store._emit(ev.HostConfigure(config.host_bytes))
+        else:
+            store._recover_cleanup()
+        store._publish_record()
+        if store.journal is not None:
+            store.journal.sync()
+        return store
+    except BaseException:
+        for f in reversed(opened):
+            try:
+                f.close()
+            except (OSError, JournalError):
+                pass
+        for lk in locks:
+            lk.release()
+        raise

@@ -1,0 +1,108 @@
+"""What the kernel wrappers check before a launch (spec §12.4: "the wrapper validates the
+Tensor dtype, geometry, closed strides, table shape and execution envelope").
+
+* ``check_view``: each plane has the dtype and [N, H, P, X] / [H, N, P, X] geometry of the
+  view's closed profile (a float32 plane handed in for a BF16 profile is refused, not
+  reinterpreted); scale planes exist exactly when the codec has one; tables are int32 [C, L].
+* ``check_mapped``: every (table row, position) a launch writes or reads is inside the table
+  and maps a page group (an entry of -1 would otherwise index the pool's last page). It runs
+  on the host for CPU tensors — a few torch ops over B entries; for CUDA tensors it would
+  cost a device sync per launch, so there the kernels skip unmapped entries instead and the
+  host check runs in checked mode (``StoreConfig(checked=True)``).
+
+Every refusal is an ``InvalidArgument`` (a ``KVStoreError`` and a ``ValueError``) naming the
+tensor, what it is and what the rule wants.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ninfer_kv.engine.layout import P, PlaneOrder, codec_planes
+from ninfer_kv.errors import InvalidArgument
+
+_SAME_BITS = {torch.uint16: (torch.uint16, torch.int16, torch.bfloat16),
+              torch.uint8: (torch.uint8,), torch.int8: (torch.int8,)}
+"""Storage dtypes a plane may be handed in as (the same bits: BF16 codes as bfloat16)."""
+
+
+def check_view(view: Any, who: str) -> None:
+    tables = view.block_tables
+    if tables.dtype != torch.int32 or tables.dim() not in (1, 2):
+        raise InvalidArgument(f"{who}: block table must be int32 [C, L] (or [L]), got "
+                              f"{tables.dtype} {tuple(tables.shape)}")
+    n_pages = None
+    for side, codec in zip(("k", "v"), view.storage.codecs, strict=True):
+        want = dict((role, (dt, x)) for role, dt, x, _ in codec_planes(codec, view.head_dim))
+        for role in ("code", "scale"):
+            t = getattr(view, f"{side}_pages" if role == "code" else f"{side}_scale_pages")
+            name = f"{side}_{role}"
+            if role not in want:
+                if t is not None:
+                    raise InvalidArgument(f"{who}: {view.storage.value} has no {name} plane, "
+                                          f"got a {t.dtype} tensor")
+                continue
+            dt, x = want[role]
+            if t is None:
+                raise InvalidArgument(f"{who}: {view.storage.value} needs a {name} plane")
+            if t.dtype not in _SAME_BITS[dt]:
+                raise InvalidArgument(f"{who}: {name} plane is {t.dtype}; profile "
+                                      f"{view.storage.value} stores {dt} (§4.3)")
+            if t.dim() != 4:
+                raise InvalidArgument(f"{who}: {name} plane must be 4-D, got {tuple(t.shape)}")
+            h, n = ((t.shape[1], t.shape[0]) if view.order is PlaneOrder.PAGE_MAJOR
+                    else (t.shape[0], t.shape[1]))
+            if (h, t.shape[2], t.shape[3]) != (view.num_kv_heads, P, x):
+                raise InvalidArgument(f"{who}: {name} plane {tuple(t.shape)} ({view.order.value}"
+                                      f") does not hold H={view.num_kv_heads}, P={P}, X={x}")
+            if n_pages is not None and n != n_pages:
+                raise InvalidArgument(f"{who}: planes disagree on the page count ({n} vs "
+                                      f"{n_pages}); a page group spans every plane (§4.2)")
+            n_pages = n
+
+
+def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
+                 who: str) -> None:
+    """Every ``(table_rows[i], positions[i])`` lies in the table and maps a page group."""
+    if table_rows.is_cuda or positions.is_cuda or view.block_tables.is_cuda:
+        return
+    tables = view.block_tables if view.block_tables.dim() == 2 else view.block_tables.view(1, -1)
+    rows, cols = tables.shape
+    r, pos = table_rows.long(), positions.long()
+    bad = (r < 0) | (r >= rows) | (pos < 0) | (pos >= cols * P)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidArgument(f"{who}: entry {i} (table row {int(r[i])}, position "
+                              f"{int(pos[i])}) is outside the table [C={rows}, L*P={cols * P}]")
+    g = tables[r, pos >> 6]
+    n_pages = view.k_pages.shape[0 if view.order is PlaneOrder.PAGE_MAJOR else 1]
+    bad = (g < 0) | (g >= n_pages)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidArgument(f"{who}: entry {i} (table row {int(r[i])}, position "
+                              f"{int(pos[i])}) maps page group {int(g[i])}: not mapped "
+                              f"(ensure_mapped before the launch, §8.1)")
+
+
+def check_read_domain(view: Any, table_rows: torch.Tensor, context_lens: torch.Tensor,
+                      who: str) -> None:
+    """Every block a row reads (positions < context_lens[i]) is mapped (§12.4)."""
+    if table_rows.is_cuda or context_lens.is_cuda or view.block_tables.is_cuda:
+        return
+    tables = view.block_tables if view.block_tables.dim() == 2 else view.block_tables.view(1, -1)
+    rows, cols = tables.shape
+    r, ctx = table_rows.long(), context_lens.long()
+    bad = (r < 0) | (r >= rows) | (ctx < 0) | (ctx > cols * P)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidArgument(f"{who}: row {i} (table row {int(r[i])}, context {int(ctx[i])})"
+                              f" is outside the table [C={rows}, L*P={cols * P}]")
+    blocks = torch.arange(cols)
+    needed = blocks.view(1, -1) < ((ctx + P - 1) // P).view(-1, 1)
+    unmapped = needed & (tables[r] < 0)
+    if bool(unmapped.any()):
+        i, b = (int(x) for x in unmapped.nonzero()[0])
+        raise InvalidArgument(f"{who}: row {i} (table row {int(r[i])}) reads block {b} below "
+                              f"its context {int(ctx[i])}, which is not mapped (§12.4)")
