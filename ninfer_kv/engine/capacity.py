@@ -27,6 +27,15 @@ from ninfer_kv.engine.layout import (
 from ninfer_kv.errors import CapacityError, ConfigError
 
 
+def _integer(name: str, v: object) -> int:
+    if isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r} is not an integer")
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) is not an integer") from None
+
+
 class Backend(enum.StrEnum):
     OFF = "off"
     MTP = "mtp"
@@ -49,6 +58,9 @@ class ModelGeometry:
     def __post_init__(self) -> None:
         # a profile given by name is parsed here, so an unknown one is refused at once
         object.__setattr__(self, "profile", Profile.parse(self.profile))
+        for name in ("layers", "kv_heads", "head_dim", "mtp_layers", "draft_layers",
+                     "draft_kv_heads", "draft_head_dim"):
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,8 @@ class ServingConfig:
     """Fixed state, workspace and CUDA-graph allowance, supplied by the caller (spec §3.2)."""
 
     def __post_init__(self) -> None:
+        for name in ("max_context", "max_concurrency", "draft_window", "allowance_bytes"):
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
         try:
             object.__setattr__(self, "backend", Backend(self.backend))
         except ValueError:
@@ -75,15 +89,6 @@ DEFAULT_MODEL = ModelGeometry()
 """The documented small default: 8 full-attention layers, 4 KV heads, head dim 128, BF16."""
 DEFAULT_SERVING = ServingConfig()
 DEFAULT_KV_TOKENS = 65536
-
-
-def _integer(name: str, v: object) -> int:
-    if isinstance(v, bool):
-        raise ConfigError(f"{name}={v!r} is not an integer")
-    try:
-        return operator.index(v)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) is not an integer") from None
 
 
 def _positive(**values: int) -> None:

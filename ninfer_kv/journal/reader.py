@@ -10,18 +10,25 @@ from typing import IO, Any
 
 import msgspec
 
+from ninfer_kv.errors import JournalCorrupt, JournalError
 from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
 from ninfer_kv.journal.fs import OS_FS, FileSystem
-from ninfer_kv.journal.recovery import ScanResult, iter_frames, scan
+from ninfer_kv.journal.recovery import ScanResult, iter_frames, list_segments, scan
 
 
 class JournalReader:
+    """Read-only: takes no lock, never repairs, never writes. A directory without a single
+    segment is not a journal (``JournalError``); a record whose payload does not decode is
+    ``JournalCorrupt``."""
+
     def __init__(self, directory: str, codec: EventCodec = CODEC, fs: FileSystem = OS_FS,
                  salvage: bool = False) -> None:
         self.directory = directory
         self.codec = codec
         self.scan: ScanResult = scan(directory, schema_major=codec.schema[0], fs=fs,
                                      repair=False, salvage=salvage)
+        if not self.scan.segments and not list_segments(directory, fs):
+            raise JournalError(f"{directory} holds no journal (no seg-NNNNNNNN.log files)")
 
     @property
     def last_seq(self) -> int:
@@ -34,7 +41,14 @@ class JournalReader:
     def records(self, from_seq: int = 0) -> Iterator[tuple[int, list[Any]]]:
         decode = self.codec.decode
         for frame, payload in iter_frames(self.scan, from_seq):
-            yield frame.seq, decode(payload)
+            try:
+                events = decode(payload)
+            except msgspec.MsgspecError as exc:
+                seg = next(s.number for s in self.scan.segments
+                           if s.frames and s.frames[-1].seq >= frame.seq)
+                raise JournalCorrupt(seg, frame.offset, f"record {frame.seq} has a valid CRC "
+                                     f"but its payload does not decode: {exc}") from None
+            yield frame.seq, events
 
     def events(self, from_seq: int = 0) -> Iterator[tuple[int, int, Any]]:
         for seq, events in self.records(from_seq):

@@ -1,16 +1,20 @@
 """The ``ninfer-kv`` command line. Every command has ``--help`` and ``--json``.
 
-Errors of the store (``KVStoreError``) become one line on stderr and exit code 2.
+Errors — a ``KVStoreError``, an ``OSError`` (a missing trace, an unreadable file) or an
+argument out of range — become one ``error:`` line on stderr and exit code 2, never a
+traceback and never exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
 from ninfer_kv.errors import KVStoreError
+from ninfer_kv.tools.argtypes import OneLineParser
 
 Handler = Callable[[argparse.Namespace, Console], int]
 _COMMANDS: dict[str, Handler] = {}
@@ -19,7 +23,7 @@ _COMMANDS: dict[str, Handler] = {}
 def build_parser() -> argparse.ArgumentParser:
     from ninfer_kv.tools import journal_cmds, plan_cmd, run_cmds
 
-    parser = argparse.ArgumentParser(prog="ninfer-kv", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="ninfer-kv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     name, handler = plan_cmd.register(sub)
     _COMMANDS[name] = handler
@@ -34,9 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     try:
         return _COMMANDS[args.command](args, console)
-    except KVStoreError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False,
-                                   soft_wrap=True)
+    except (KVStoreError, OSError) as exc:
+        what = type(exc).__name__
+        text = " ".join(str(exc).split())  # one line, whatever the message holds
+        sys.stderr.write(f"error: {what}: {text}\n")
         return 2
 
 

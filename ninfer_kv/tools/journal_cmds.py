@@ -14,10 +14,11 @@ from rich.table import Table
 
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.state import StoreState, digest
-from ninfer_kv.errors import KVStoreError
+from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay, replay_start
+from ninfer_kv.tools.argtypes import non_negative, positive
 from ninfer_kv.tools.output import emit_json
 
 Command = Callable[[argparse.Namespace, Console], int]
@@ -27,18 +28,19 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p = sub.add_parser("replay", help="rebuild state from a journal; verify invariants")
     p.add_argument("dir", help="journal directory")
     p.add_argument("--verify", action="store_true", help="check invariants after every event")
-    p.add_argument("--every", type=int, default=1, help="with --verify: every N events")
-    p.add_argument("--until", type=int, default=None, help="stop after this record")
+    p.add_argument("--every", type=positive, default=1, help="with --verify: every N events")
+    p.add_argument("--until", type=non_negative, default=None, help="stop after this record")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("inspect", help="occupancy, address spaces, one page and its history")
     p.add_argument("dir")
-    p.add_argument("--at", type=int, default=None, help="state after this record")
-    p.add_argument("--seq", type=int, default=None, help="only this sequence/checkpoint")
+    p.add_argument("--at", type=non_negative, default=None, help="state after this record")
+    p.add_argument("--seq", type=non_negative, default=None,
+                   help="only this sequence/checkpoint")
     p.add_argument("--page", default=None, help="POOL:SLOT, e.g. main:12")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("dump", help="the journal as NDJSON, one event per line (for jq)")
     p.add_argument("dir")
-    p.add_argument("--from", dest="from_seq", type=int, default=0)
+    p.add_argument("--from", dest="from_seq", type=non_negative, default=0)
     p.add_argument("--json", action="store_true", help="(NDJSON is already JSON)")
     p = sub.add_parser("events", help="KV-event stream: BlockStored / BlockRemoved / "
                                       "AllBlocksCleared (vLLM's shape) + removal reason")
@@ -163,9 +165,12 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
     if a.page:
         pool, _, slot = a.page.partition(":")
         if not slot.isdigit():
-            raise KVStoreError(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
+            raise InvalidArgument(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
         page = (pool, int(slot))
     st, history = state_at(a.dir, a.at, page)
+    if page is not None and page[0] not in st.pools:
+        raise UnknownHandle(f"--page {a.page}: pool {page[0]!r} is not in this journal "
+                            f"(pools: {', '.join(st.pools)})")
     out = describe(st, a.seq)
     if page is not None:
         out["page"] = page_descriptor(st, *page)

@@ -16,6 +16,7 @@ from ninfer_kv.engine.apply import apply
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay_start
+from ninfer_kv.tools.argtypes import fraction, non_negative, positive
 from ninfer_kv.tools.output import emit_json
 from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, simulate
 
@@ -26,16 +27,16 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p = sub.add_parser("simulate", help="drive the store with a Mooncake-format trace")
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--journal", default=None, help="write the journal to this directory")
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--max-context", type=int, default=131072)
-    p.add_argument("--kv-tokens", type=int, default=1 << 22)
+    p.add_argument("--limit", type=non_negative, default=None, help="first N requests")
+    p.add_argument("--seed", type=non_negative, default=0)
+    p.add_argument("--max-concurrency", type=positive, default=32)
+    p.add_argument("--max-context", type=positive, default=131072)
+    p.add_argument("--kv-tokens", type=positive, default=1 << 22)
     p.add_argument("--mtp", action="store_true", help="MTP speculation (draft window 4)")
-    p.add_argument("--accept-rate", type=float, default=0.7)
+    p.add_argument("--accept-rate", type=fraction, default=0.7)
     p.add_argument("--offload", action="store_true", help="host tier: offload + demote")
-    p.add_argument("--host-bytes", type=int, default=1 << 30)
-    p.add_argument("--scale", type=int, default=1, help="divide lengths by this")
+    p.add_argument("--host-bytes", type=non_negative, default=1 << 30)
+    p.add_argument("--scale", type=positive, default=1, help="divide lengths by this")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="occupancy and prefix-hit ratio over boundaries (PNG)")
     p.add_argument("dir")
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--json", action="store_true", help="print the plotted data as JSON")
     p = sub.add_parser("demo", help="the main job on a small default model (CPU)")
     p.add_argument("--out", default=None, help="output directory (default: a temp dir)")
-    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--requests", type=positive, default=120)
     p.add_argument("--json", action="store_true")
     return {"simulate": run_simulate, "plot": run_plot, "demo": run_demo}
 

@@ -1,0 +1,43 @@
+"""argparse value types that refuse out-of-range input at parse time, and the parser class
+whose errors are one ``error:`` line and exit code 2 (never a usage dump or a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"error: {self.prog}: {message}\n")
+        raise SystemExit(2)
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, 1]")
+    return v
+
+
+non_negative = int_at_least(0)
+positive = int_at_least(1)

@@ -1,0 +1,73 @@
+"""Trust issue item 18: every bad CLI input is one ``error:`` line on stderr and exit code 2 —
+never a traceback, never exit 0. Run as a real subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv.engine.store import KVStore
+from tests.engine.conftest import small_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("clierr")
+    s = KVStore.open(small_config(d))
+    s.finish(s.activate(64, 10))
+    s.close()
+    (d / "afile").write_text("not a journal")
+    (d / "empty").mkdir()
+    return {"j": str(d / "journal"), "file": str(d / "afile"), "empty": str(d / "empty"),
+            "missing": str(d / "nope"), "root": str(d)}
+
+
+CASES = [
+    ["replay", "{missing}"], ["replay", "{file}"], ["replay", "{empty}"],
+    ["inspect", "{missing}"], ["inspect", "{file}"], ["inspect", "{empty}"],
+    ["dump", "{missing}"], ["events", "{empty}"], ["plot", "{file}", "-o", "{root}/x.png"],
+    ["replay", "{j}", "--until", "-5"], ["replay", "{j}", "--verify", "--every", "0"],
+    ["replay", "{j}", "--until", "ten"], ["inspect", "{j}", "--at", "-1"],
+    ["inspect", "{j}", "--page", "nopool:3"], ["inspect", "{j}", "--page", "main"],
+    ["simulate", "--limit", "-1"], ["simulate", "--accept-rate", "5"],
+    ["simulate", "--host-bytes", "-1"], ["simulate", "--trace", "{missing}", "--limit", "2"],
+    ["simulate", "--limit", "2", "--journal", "{file}"], ["plan", "--layers", "-3"],
+    ["replay"], ["nosuchcommand"],
+]
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from ninfer_kv.tools.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse refusals
+        code = exc.code  # type: ignore[assignment]
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", CASES, ids=[" ".join(c) for c in CASES])
+def test_bad_input_is_one_error_line_and_exit_2(dirs: dict[str, str], argv: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a.format(**dirs) for a in argv]
+    code, err = run_cli(args, capsys)
+    lines = [x for x in err.splitlines() if x.strip() and "[warning" not in x]
+    assert code == 2, (args, code, err[-800:])
+    assert len(lines) == 1 and lines[0].startswith("error:"), (args, err[-800:])
+
+
+@pytest.mark.parametrize("argv", [["replay", "{missing}"], ["inspect", "{j}", "--at", "-1"]])
+def test_the_installed_entry_point_too(dirs: dict[str, str], argv: list[str]) -> None:
+    args = [a.format(**dirs) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "ninfer_kv.tools.cli", *args], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.stderr
