@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.lock import lock_dirs
@@ -38,8 +39,6 @@ ARENA_NAME = "host_arena.bin"
 
 
 def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
-    from ninfer_kv.engine.apply import apply
-
     for e in CODEC.decode(payload):
         apply(st, e)
     st.seq = seq

@@ -1,11 +1,11 @@
 """What a reopened store keeps (spec §5.3, DESIGN "Device, host, persistence").
 
-Device contents never survive a restart. Unpublished host destinations and active sequences
-are aborted; an inactive checkpoint is kept only when every page has a published,
-epoch-matching host replica whose bytes still match their CRC; the device replicas of what is
-kept are dropped. The report (structlog and ``store.recovery``) says what was kept, what was
-dropped and why. All of it is ordinary events, journaled as one record that starts with a
-``Recovered`` marker.
+Device contents never survive a restart. Pins of device copies that never ran are released;
+unpublished host destinations and active sequences are aborted; an inactive checkpoint is
+kept only when every page has a published, epoch-matching host replica whose bytes still
+match their CRC; the device replicas of what is kept are dropped. The report (structlog and
+``store.recovery``) says what was kept, what was dropped and why. All of it is ordinary
+events, journaled as one record that starts with a ``Recovered`` marker.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ def recover_cleanup(store: KVStore) -> None:
     replicas of what is kept. Report what was kept and dropped, and why."""
     rep = store.recovery
     st = store.state
+    pinned: dict[str, list[int]] = {}  # copies queued before the crash never ran: unpin
+    for (pool, slot), n in sorted(st.copy_pins.items()):
+        pinned.setdefault(pool, []).extend([slot] * n)
+    store._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in pinned.items()))
     for off, (pool, _, _) in sorted(st.host_pending.items()):
         store._emit(ev.HostAbort(pool, off))
     for bid, b in sorted(st.bundles.items()):

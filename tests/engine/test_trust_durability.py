@@ -310,3 +310,29 @@ def test_a_file_where_a_directory_belongs_is_a_typed_error(tmp_path: Path) -> No
                dict(journal_dir=str(f / "sub"))):
         with pytest.raises(KVStoreError, match=str(f)):
             KVStore.open(small_config(None, **kw))
+
+
+def test_a_crash_between_the_copy_record_and_its_unpin_releases_the_pins(tmp_path: Path) -> None:
+    from tests.engine.conftest import crash
+
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 100)
+    s.offload(ck)
+    step(s)
+    s.drop_device(ck)
+    step(s)
+    s.offload(keep := checkpoint_at(s, 70))
+    step(s)
+    s.activate_from(ck, 100, 100, 10)  # Pin + DeviceRestore + CopyTail queued
+    dev_only = checkpoint_at(s, 90)     # never offloaded: released by the restart
+    s.activate_from(dev_only, 90, 90, 10)  # its COW source tail is pinned
+    s._append_pending()                 # the record is written; the copies never run
+    assert s.state.copy_pins
+    crash(s)
+    s2 = host_store(tmp_path)
+    assert not s2.state.copy_pins
+    assert all(pg.pins == 0 for p in s2.state.pools.values() for pg in p.pages if pg)
+    assert set(s2.recovery.kept) == {ck, keep} and dev_only in s2.recovery.dropped
+    s2.check_invariants()
+    assert s2.drop_host(keep) == 0 and s2.drop_device(ck) == 0  # nothing left pinned
+    s2.close()
