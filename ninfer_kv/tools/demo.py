@@ -30,7 +30,7 @@ def demo_options(journal: str) -> SimOptions:
     return SimOptions(max_concurrency=8, max_context=16384, kv_tokens=65536, layers=2,
                       kv_heads=2, head_dim=64, mtp=True, draft_window=4, accept_rate=0.7,
                       offload=True, host_bytes=192 << 20, journal_dir=journal,
-                      allocate_planes=True, scale=4)
+                      allocate_planes=True, scale=4, checked=True)
 
 
 def kernel_sample(store: KVStore, seqs_n: int = 4, seed: int = 0) -> dict[str, Any]:

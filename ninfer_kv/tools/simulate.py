@@ -71,6 +71,8 @@ class SimOptions:
     allocate_planes: bool = False
     scale: int = 1
     """Divide prompt/output lengths and the 512-token hash block by this (small demos)."""
+    checked: bool = False
+    """StoreConfig.checked: kernel writes are checked against their writer (the demo)."""
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ def make_store(opts: SimOptions) -> KVStore:
     cfg = StoreConfig(model=model, serving=serving, kv_tokens=opts.kv_tokens,
                       journal_dir=opts.journal_dir, sync=SyncPolicy.OFF,
                       allocate_planes=opts.allocate_planes,
-                      host_bytes=opts.host_bytes if opts.offload else 0)
+                      host_bytes=opts.host_bytes if opts.offload else 0, checked=opts.checked)
     return KVStore.open(cfg)
 
 
