@@ -42,7 +42,11 @@ def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
         return values.tolist()
     if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
         raise InvalidArgument(f"{name}={values!r}: want a sequence of integers")
-    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    out = list(values)
+    for i, v in enumerate(out):
+        if type(v) is not int:  # the hot path passes plain ints and pays one check each
+            out[i] = as_int(f"{name}[{i}]", v)
+    return out
 
 
 def same_length(**batches: Sequence[Any]) -> int:
