@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.incremental import IncrementalChecker
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.state import StoreState, decode_state, digest, to_snapshot
 from ninfer_kv.errors import JournalCorrupt, JournalError
@@ -21,6 +22,8 @@ class Violation:
     index: int
     event: str
     problems: list[str]
+    check: str = "full"
+    """Which checker found it: ``full`` (``violations()``) or ``incremental``."""
 
 
 @dataclass(slots=True)
@@ -70,15 +73,28 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
 def replay(directory: str, *, verify_every: int = 0, until_record: int | None = None,
            until_event: int | None = None, salvage: bool = False,
            progress: Callable[[int, int], None] | None = None,
-           on_event: Callable[[StoreState, int, int, Any], None] | None = None) -> ReplayResult:
+           on_event: Callable[[StoreState, int, int, Any], None] | None = None,
+           full_every: int | None = None, incremental: bool = True) -> ReplayResult:
     """Apply every event from the start (no snapshot: replay checks the whole history).
 
-    ``verify_every``: check invariants after every N events (0 = only at the end).
+    ``verify_every``: 0 = check the invariants only at the end. N > 0 = verify while replaying:
+    the incremental checker (``engine.incremental``, O(what the event touched)) after *every*
+    event, plus the full ``violations()`` as a cross-check every ``full_every`` events
+    (default: N when N > 1, else 10,000) and at the end. ``incremental=False``: the full check
+    alone every N events (the old, O(state) per check behaviour).
     ``until_record``: stop after that record; ``until_event``: stop after that many events.
     """
     reader = JournalReader(directory, salvage=salvage)
     st, start = replay_start(reader, until_record)
     found: list[Violation] = []
+    checker: IncrementalChecker | None = None
+    if verify_every and incremental:
+        checker = IncrementalChecker(st)  # one full check of the starting state
+        if checker.initial:
+            found.append(Violation(start - 1, -1, "start", checker.initial))
+        full_every = full_every or (verify_every if verify_every > 1 else 10_000)
+    else:
+        full_every = verify_every
     n_events = n_records = 0
     t0 = time.perf_counter()
     last = reader.last_seq
@@ -91,7 +107,11 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
             n_events += 1
             if on_event is not None:
                 on_event(st, seq, i, e)
-            if verify_every and n_events % verify_every == 0:
+            if checker is not None:
+                v = checker.check(e)
+                if v:
+                    found.append(Violation(seq, i, type(e).__name__, v, "incremental"))
+            if full_every and n_events % full_every == 0:
                 v = violations(st)
                 if v:
                     found.append(Violation(seq, i, type(e).__name__, v))
@@ -104,7 +124,7 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
             progress(seq, last)
         if done:
             break
-    if not verify_every or n_events % verify_every:
+    if not full_every or n_events % full_every:
         v = violations(st)
         if v:
             found.append(Violation(st.seq, -1, "end", v))
