@@ -13,7 +13,7 @@ NO_ROW = -1
 
 class KVAddressSpace:
     __slots__ = ("bundle", "pool", "members", "committed", "provisional", "protected", "active",
-                 "entitlement", "row")
+                 "entitlement", "row", "incoming")
 
     def __init__(self, bundle: int, pool: str, entitlement: int, row: int) -> None:
         self.bundle = bundle
@@ -25,14 +25,17 @@ class KVAddressSpace:
         self.active = True
         self.entitlement = entitlement  # pages guaranteed (membership + reservation)
         self.row = row                 # execution row, NO_ROW when inactive
+        self.incoming = 0              # pages a Move/Fork of this record still hands over
 
     @property
     def reserved(self) -> int:
-        return self.entitlement - len(self.members) if self.active else 0
+        """Entitled pages not yet in the membership and not promised by the source of a
+        Move/Fork in flight (``incoming``, non-zero only inside one record)."""
+        return self.entitlement - len(self.members) - self.incoming if self.active else 0
 
     def as_tuple(self) -> tuple:
         return (self.bundle, self.committed, self.provisional, self.protected, self.active,
-                self.entitlement, self.row, tuple(self.members))
+                self.entitlement, self.row, tuple(self.members), self.incoming)
 
 
 class SequenceKVBundle:

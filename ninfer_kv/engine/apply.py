@@ -96,8 +96,9 @@ def _configure(st: StoreState, e: ev.Configure) -> None:
 def _activate(st: StoreState, e: ev.Activate) -> None:
     pool = st.pools[e.pool]
     assert e.bundle not in pool.spaces
-    pool.spaces[e.bundle] = KVAddressSpace(e.bundle, e.pool, e.entitlement, e.row)
-    pool.reserved += e.entitlement
+    sp = pool.spaces[e.bundle] = KVAddressSpace(e.bundle, e.pool, e.entitlement, e.row)
+    sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
+    pool.reserved += e.entitlement - e.held
     pool.free_rows.remove(e.row)
     pool.row_owner[e.row] = e.bundle
     b = st.bundles.get(e.bundle)
@@ -255,7 +256,8 @@ def _move(st: StoreState, e: ev.Move) -> None:
     src.members = []
     dst.committed = dst.provisional = e.frontier
     dst.protected = 0
-    pool.reserved -= len(dst.members)
+    pool.reserved -= len(dst.members) - dst.incoming
+    dst.incoming = 0
     _drop_space(st, pool, e.src)
     st.bundles[e.dst].parent = e.src
 
@@ -274,7 +276,8 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     dst.members = list(shared)
     dst.committed = dst.provisional = e.full_pages * P
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
-    pool.reserved -= len(shared)
+    pool.reserved -= len(shared) - dst.incoming
+    dst.incoming = 0
     st.bundles[e.dst].parent = e.src
 
 

@@ -152,7 +152,7 @@ def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, 
     for pool, pl in plans.items():
         f = pl["frontier"]
         events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total,
-                                  prompt_tokens))
+                                  prompt_tokens, pl["held"]))
         # pin what the boundary's copies read: restored pages (their host replica) and the
         # COW source tail, so no command before the boundary can free or replace them (§5.3)
         read = list(pl["restored"]) + ([cows[pool][2]] if pool in cows else [])

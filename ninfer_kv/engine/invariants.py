@@ -28,7 +28,8 @@ def violations(st: StoreState) -> list[str]:
             missing = [p for p in st.pools if bid not in st.pools[p].spaces]
             if missing:
                 out.append(f"active bundle {bid} has no space in {missing} (§7.1)")
-            if any(not st.pools[p].spaces[bid].active for p in b.pools):
+            if any(sp is not None and not sp.active
+                   for sp in (st.pools[p].spaces.get(bid) for p in b.pools)):
                 out.append(f"active bundle {bid} has an inactive space")
     return out
 
@@ -44,6 +45,8 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
         out.append(f"device pages {dup[:5]} leased by more than one logical page (§14)")
     if set(leases) & set(pool.free_pages):
         out.append("a leased device page is also on the free list")
+    if len(set(pool.free_pages)) != len(pool.free_pages):
+        out.append("the free list holds a device page more than once")
     if any(not 0 <= d < pool.capacity for d in leases):
         out.append("device page id out of range")
     reserved = 0
@@ -64,11 +67,14 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
         if not sp.protected <= sp.committed <= len(sp.members) * P:
             out.append(f"bundle {b}: frontiers protected={sp.protected} committed={sp.committed} "
                        f"membership={len(sp.members) * P} out of order")
+        if not 0 <= sp.provisional <= len(sp.members) * P:
+            out.append(f"bundle {b}: provisional frontier {sp.provisional} outside "
+                       f"[0, membership {len(sp.members) * P}]")
         if sp.active:
-            if sp.entitlement < len(sp.members):
-                out.append(f"bundle {b}: membership {len(sp.members)} > entitlement "
-                           f"{sp.entitlement}")
-            reserved += sp.entitlement - len(sp.members)
+            if sp.entitlement < len(sp.members) + sp.incoming:
+                out.append(f"bundle {b}: membership {len(sp.members)} + incoming "
+                           f"{sp.incoming} > entitlement {sp.entitlement}")
+            reserved += sp.entitlement - len(sp.members) - sp.incoming
             if sp.row < 0:
                 out.append(f"active bundle {b} holds no execution row")
             elif sp.row in rows:
@@ -135,9 +141,13 @@ def _host_violations(st: StoreState) -> list[str]:
     for first, (pool, slots, offsets) in st.host_pending.items():
         if offsets[0] != first:
             out.append(f"host transfer keyed {first} starts at {offsets[0]}")
+        size = next(s.page_bytes for s in st.pool_specs if s.name == pool)
         for slot, off in zip(slots, offsets, strict=True):
             owned[off] = f"pending {pool}:{slot}"
             pins[(pool, slot)] += 1
+            if st.host.live.get(off) != -(-size // 64) * 64:
+                out.append(f"page {pool}:{slot} pending destination at {off} is not a live "
+                           f"extent of {size} B")
     for name, pool in st.pools.items():
         size = next(s.page_bytes for s in st.pool_specs if s.name == name)
         for pg in pool.pages:

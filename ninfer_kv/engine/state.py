@@ -134,6 +134,7 @@ def decode_state(data: bytes) -> StoreState:
             sp = KVAddressSpace(t[0], ps.name, t[5], t[6])
             sp.committed, sp.provisional, sp.protected, sp.active = t[1], t[2], t[3], t[4]
             sp.members = list(t[7])
+            sp.incoming = t[8] if len(t) > 8 else 0
             p.spaces[sp.bundle] = sp
             if sp.row >= 0:
                 p.row_owner[sp.row] = sp.bundle

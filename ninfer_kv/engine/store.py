@@ -553,6 +553,9 @@ class KVStore:
             keep = ceil_div(sp.committed, P)
             if keep < len(sp.members):
                 self._check_private(self.state.pools[pool], sp, keep)
+                if sp.provisional > sp.committed:  # the speculative lead ends with the trim
+                    events.append(ev.ProvisionalFrontiers(pool, pack([bundle]),
+                                                          pack([sp.committed])))
                 events.append(ev.Trim(bundle, pool, keep))
             events.append(ev.Finish(bundle, pool, retain, reason))
         self._emit(*events)

@@ -18,9 +18,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 2)
+SCHEMA: tuple[int, int] = (1, 3)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
-1.2 added the Pin/Unpin tags (transaction pins of queued device copies)."""
+1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
+Activate.held (0, the old meaning, when absent)."""
 
 I32 = np.dtype("<i4")
 
@@ -87,6 +88,10 @@ class Activate(_Event, tag="act"):
     """prompt + output budget in tokens (bounds kv_lease_growth); 0 = unknown."""
     prompt: int = 0
     """prompt tokens (for tools: prefix-hit ratios); 0 = unknown."""
+    held: int = 0
+    """Pages of ``entitlement`` that a Move/Fork later in the same record hands over from the
+    source: already allocated, so not reserved (the reservation is ``entitlement - held``, and
+    ``allocated + reserved <= capacity`` holds after every event, not only per record)."""
 
 
 class Recovered(_Event, tag="recov"):
