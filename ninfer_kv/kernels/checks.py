@@ -16,6 +16,7 @@ tensor, what it is and what the rule wants.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,44 +64,49 @@ def check_view(view: Any, who: str) -> None:
             n_pages = n
 
 
+def _host_tables(view: Any, *tensors: torch.Tensor) -> torch.Tensor | None:
+    """The [C, L] table when the check runs on the host (every tensor on the CPU), else None."""
+    if view.block_tables.is_cuda or any(t.is_cuda for t in tensors):
+        return None
+    t = view.block_tables
+    return t if t.dim() == 2 else t.view(1, -1)
+
+
+def _refuse_first(bad: torch.Tensor, message: Callable[[int], str]) -> None:
+    if bool(bad.any()):
+        raise InvalidArgument(message(int(bad.nonzero()[0, 0])))
+
+
 def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
                  who: str) -> None:
     """Every ``(table_rows[i], positions[i])`` lies in the table and maps a page group."""
-    if table_rows.is_cuda or positions.is_cuda or view.block_tables.is_cuda:
+    tables = _host_tables(view, table_rows, positions)
+    if tables is None:
         return
-    tables = view.block_tables if view.block_tables.dim() == 2 else view.block_tables.view(1, -1)
     rows, cols = tables.shape
     r, pos = table_rows.long(), positions.long()
-    bad = (r < 0) | (r >= rows) | (pos < 0) | (pos >= cols * P)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise InvalidArgument(f"{who}: entry {i} (table row {int(r[i])}, position "
-                              f"{int(pos[i])}) is outside the table [C={rows}, L*P={cols * P}]")
+    where = lambda i: f"{who}: entry {i} (table row {int(r[i])}, position {int(pos[i])})"  # noqa: E731
+    _refuse_first((r < 0) | (r >= rows) | (pos < 0) | (pos >= cols * P),
+                  lambda i: f"{where(i)} is outside the table [C={rows}, L*P={cols * P}]")
     g = tables[r, pos >> 6]
     n_pages = view.k_pages.shape[0 if view.order is PlaneOrder.PAGE_MAJOR else 1]
-    bad = (g < 0) | (g >= n_pages)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise InvalidArgument(f"{who}: entry {i} (table row {int(r[i])}, position "
-                              f"{int(pos[i])}) maps page group {int(g[i])}: not mapped "
-                              f"(ensure_mapped before the launch, §8.1)")
+    _refuse_first((g < 0) | (g >= n_pages),
+                  lambda i: f"{where(i)} maps page group {int(g[i])}: not mapped "
+                            "(ensure_mapped before the launch, §8.1)")
 
 
 def check_read_domain(view: Any, table_rows: torch.Tensor, context_lens: torch.Tensor,
                       who: str) -> None:
     """Every block a row reads (positions < context_lens[i]) is mapped (§12.4)."""
-    if table_rows.is_cuda or context_lens.is_cuda or view.block_tables.is_cuda:
+    tables = _host_tables(view, table_rows, context_lens)
+    if tables is None:
         return
-    tables = view.block_tables if view.block_tables.dim() == 2 else view.block_tables.view(1, -1)
     rows, cols = tables.shape
     r, ctx = table_rows.long(), context_lens.long()
-    bad = (r < 0) | (r >= rows) | (ctx < 0) | (ctx > cols * P)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise InvalidArgument(f"{who}: row {i} (table row {int(r[i])}, context {int(ctx[i])})"
-                              f" is outside the table [C={rows}, L*P={cols * P}]")
-    blocks = torch.arange(cols)
-    needed = blocks.view(1, -1) < ((ctx + P - 1) // P).view(-1, 1)
+    _refuse_first((r < 0) | (r >= rows) | (ctx < 0) | (ctx > cols * P),
+                  lambda i: f"{who}: row {i} (table row {int(r[i])}, context {int(ctx[i])}) "
+                            f"is outside the table [C={rows}, L*P={cols * P}]")
+    needed = torch.arange(cols).view(1, -1) < ((ctx + P - 1) // P).view(-1, 1)
     unmapped = needed & (tables[r] < 0)
     if bool(unmapped.any()):
         i, b = (int(x) for x in unmapped.nonzero()[0])

@@ -39,6 +39,18 @@ def make_store(tmp_path: Path) -> MakeStore:
             s.close()
 
 
+def assert_refusals_change_nothing(s: KVStore, cases: list) -> None:  # noqa: ANN001
+    """Each (exception type, message pattern, call) is refused with that typed error, and
+    the digest, the pending events and the occupancy are as they were (commands plan fully,
+    then emit)."""
+    for exc, pattern, call in cases:
+        before = (s.digest(), len(s._pending), s.occupancy())
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert (s.digest(), len(s._pending), s.occupancy()) == before, pattern
+    s.check_invariants()
+
+
 def crash(s: KVStore) -> None:
     """What ``kill -9`` does to a store: its file descriptors close with no flush and no fsync
     (written bytes stay in the OS page cache, as they would), its locks go, nothing pending is

@@ -21,7 +21,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.journal.events import Materialize
 from ninfer_kv.replay import replay
-from tests.engine.conftest import MakeStore
+from tests.engine.conftest import MakeStore, assert_refusals_change_nothing
 
 
 def step(s: KVStore) -> None:
@@ -203,12 +203,7 @@ def _errors(s: KVStore):
 def test_every_refused_command_leaves_digest_unchanged(make_store: MakeStore) -> None:
     s = make_store(pages=64)
     _, _, cases = _errors(s)
-    for exc, pattern, call in cases:
-        before = (s.digest(), len(s._pending), s.occupancy())
-        with pytest.raises(exc, match=pattern):
-            call()
-        assert (s.digest(), len(s._pending), s.occupancy()) == before, pattern
-        s.check_invariants()
+    assert_refusals_change_nothing(s, cases)
 
 
 def test_rows_exhausted(make_store: MakeStore) -> None:

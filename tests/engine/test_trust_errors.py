@@ -18,7 +18,7 @@ from ninfer_kv.errors import (
     UnknownHandle,
     UnknownProfile,
 )
-from tests.engine.conftest import small_config
+from tests.engine.conftest import assert_refusals_change_nothing, small_config
 from tests.engine.test_continuation import checkpoint_at, step
 
 
@@ -60,12 +60,7 @@ def test_bad_calls_are_typed_and_change_nothing(store: KVStore) -> None:
             "numpy").array([1.0]))),
         (InvalidArgument, "sequence of integers", lambda: s.ensure_mapped_many("main", a, 3)),
     ]
-    for exc, pattern, call in cases:
-        before = (s.digest(), len(s._pending), s.occupancy())
-        with pytest.raises(exc, match=pattern):
-            call()
-        assert (s.digest(), len(s._pending), s.occupancy()) == before, pattern
-    s.check_invariants()
+    assert_refusals_change_nothing(s, cases)
     step(s)
 
 

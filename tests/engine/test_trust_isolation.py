@@ -199,8 +199,13 @@ def test_truncate_refuses_a_pinned_tail_as_commit_does(tmp_path: Path) -> None:
 
 
 # --- 7. kernel wrappers: mapped positions, plane dtypes, checked mode --------------------------
-def kernel_store(tmp_path: Path, checked: bool) -> KVStore:
-    return KVStore.open(small_config(tmp_path, checked=checked))
+def kernel_store(tmp_path: Path, checked: bool) -> tuple[KVStore, int]:
+    """A store with one active sequence whose first page is mapped and published."""
+    s = KVStore.open(small_config(tmp_path, checked=checked))
+    a = s.activate(64, 64)
+    s.ensure_mapped(a, "main", 64)
+    step(s)
+    return s, a
 
 
 def kv(n: int, s: KVStore) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,10 +214,7 @@ def kv(n: int, s: KVStore) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_append_to_an_unmapped_position_is_refused_and_writes_nothing(tmp_path: Path) -> None:
-    s = kernel_store(tmp_path, checked=False)
-    a = s.activate(64, 64)
-    s.ensure_mapped(a, "main", 64)
-    step(s)
+    s, a = kernel_store(tmp_path, checked=False)
     view = s.batch_view("main", 0)
     before = view.k_pages.clone()
     k, v = kv(1, s)
@@ -225,10 +227,7 @@ def test_append_to_an_unmapped_position_is_refused_and_writes_nothing(tmp_path: 
 
 
 def test_a_float32_plane_for_a_bf16_profile_is_refused(tmp_path: Path) -> None:
-    s = kernel_store(tmp_path, checked=False)
-    a = s.activate(64, 64)
-    s.ensure_mapped(a, "main", 64)
-    step(s)
+    s, a = kernel_store(tmp_path, checked=False)
     view = s.batch_view("main", 0)
     import dataclasses
 
@@ -240,7 +239,7 @@ def test_a_float32_plane_for_a_bf16_profile_is_refused(tmp_path: Path) -> None:
 
 
 def test_checked_mode_refuses_writes_the_writer_does_not_own(tmp_path: Path) -> None:
-    s = kernel_store(tmp_path, checked=True)
+    s, _ = kernel_store(tmp_path, checked=True)
     ck = checkpoint_at(s, 100)
     y = s.activate_from(ck, 100, 100, 50)  # Fork: page 0 shared (immutable), tail private COW
     s.ensure_mapped(y, "main", 120)
