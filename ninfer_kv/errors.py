@@ -60,6 +60,18 @@ class JournalCorrupt(JournalError):
         self.reason = reason
 
 
+class UnappliableRecord(JournalCorrupt):
+    """A record with valid framing and CRC whose events cannot be applied to the state before
+    it (a foreign or hand-made journal): replay and the tools stop with this, never a raw
+    KeyError."""
+
+    def __init__(self, seq: int, index: int, event: str, cause: BaseException) -> None:
+        JournalError.__init__(self, f"record {seq} event {index} ({event}) is well-formed but "
+                                    f"cannot be applied to the state before it: {cause!r}")
+        self.segment, self.offset, self.reason = -1, -1, repr(cause)
+        self.seq, self.index = seq, index
+
+
 class JournalFailed(JournalError):
     """An earlier write or fsync failed; the log refuses every further append."""
 

@@ -295,6 +295,7 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
 # --- host tier (§5.3) ----------------------------------------------------------------------------
 def _host_configure(st: StoreState, e: ev.HostConfigure) -> None:
     st.host = ExtentAllocator(e.capacity)
+    st.host_persistent = e.persistent
 
 
 def _page_bytes(st: StoreState, pool: str) -> int:

@@ -40,7 +40,7 @@ def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
             raise InvalidArgument(f"{name}: want a 1-D integer array, got dtype {values.dtype} "
                                   f"shape {values.shape}")
         return values.tolist()
-    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise InvalidArgument(f"{name}={values!r}: want a sequence of integers")
     out = list(values)
     for i, v in enumerate(out):

@@ -229,7 +229,30 @@ class CapacityPlan:
                 for kind, g in self.layout.pools.items()
             },
             "bytes_per_token_head": {"k": k, "v": v},
+            "model": {"layers": self.model.layers, "kv_heads": self.model.kv_heads,
+                      "head_dim": self.model.head_dim, "mtp_layers": self.model.mtp_layers,
+                      "draft_layers": self.model.draft_layers,
+                      "draft_kv_heads": self.model.draft_kv_heads,
+                      "draft_head_dim": self.model.draft_head_dim},
         }
+
+
+GEOMETRY_KEYS = ("S", "C", "P", "L", "M", "profile", "backend", "pools", "model")
+"""The plan entries a journal's pages depend on: a reopen whose plan differs in any of them
+would serve another model's (or layout's) KV from the recovered host replicas."""
+
+
+def geometry_mismatch(journaled: dict[str, object], planned: dict[str, object]) -> list[str]:
+    """``key: journaled != planned`` for every geometry entry both plans record."""
+    return [f"{k}: journal {journaled[k]!r} != config {planned[k]!r}" for k in GEOMETRY_KEYS
+            if k in journaled and k in planned and journaled[k] != planned[k]]
+
+
+def default_kv_tokens(serving: ServingConfig) -> int:
+    """The documented default Main capacity (65536 tokens, at least S), clamped into
+    [M_min, M_max] pages (§3.2) so that every valid geometry opens without a kv_tokens."""
+    m_min, m_max = m_range(serving)
+    return min(max(DEFAULT_KV_TOKENS, serving.max_context, m_min * P), m_max * P)
 
 
 def _finish(model: ModelGeometry, serving: ServingConfig, policy: str, m: int,

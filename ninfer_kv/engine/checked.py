@@ -49,8 +49,19 @@ class WriteGuard:
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name} position {x} is not mapped "
                     f"(membership {len(sp.members) * P} tokens; ensure_mapped first, §8.1)")
+            if (self._pool, b) in self._store._touched:
+                raise WritePermissionError(
+                    f"checked write: seq {b} pool {p.name}: its table row has changes not yet "
+                    "published; a kernel would write through the old entries (boundary first, "
+                    "§8.4)")
             pg = p.pages[sp.members[blk]]
             assert pg is not None
+            published = int(self._store.device.pools[self._pool].block_tables[r, blk])
+            if published != pg.device:
+                raise WritePermissionError(
+                    f"checked write: seq {b} pool {p.name} position {x}: the published table "
+                    f"maps page group {published}, its page {p.name}:{pg.slot} lives in "
+                    f"{pg.device} (§12.4)")
             if pg.writer != b or pg.pins or pg.protected > x % P:
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name} position {x} lands in page "

@@ -9,17 +9,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ninfer_kv.engine.capacity import (
-    DEFAULT_KV_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_SERVING,
     CapacityPlan,
     ModelGeometry,
     ServingConfig,
-    m_range,
+    default_kv_tokens,
     plan_automatic,
     plan_explicit,
 )
-from ninfer_kv.engine.layout import P
 from ninfer_kv.errors import ConfigError, KVStoreError
 from ninfer_kv.journal.log import SyncPolicy
 
@@ -77,13 +75,20 @@ class StoreConfig:
         for name in ("kv_tokens", "free_bytes"):
             if getattr(self, name) is not None:
                 put(name, _int(name, getattr(self, name), 0))
+        if not isinstance(self.model, ModelGeometry) or not isinstance(self.serving,
+                                                                        ServingConfig):
+            raise ConfigError(f"model={self.model!r} / serving={self.serving!r} must be a "
+                              "ModelGeometry and a ServingConfig")
         for name in ("journal_dir", "persist_dir"):
             v = getattr(self, name)
             if v is not None:
                 try:
-                    put(name, os.fspath(v))
+                    path = os.fspath(v)
                 except TypeError:
                     raise ConfigError(f"{name}={v!r} is not a path") from None
+                if not isinstance(path, str) or not path:
+                    raise ConfigError(f"{name}={v!r}: want a non-empty str path")
+                put(name, path)
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -103,10 +108,8 @@ class StoreConfig:
     def plan(self) -> CapacityPlan:
         if self.free_bytes is not None:
             return plan_automatic(self.model, self.serving, self.free_bytes, self.headroom)
-        tokens = self.kv_tokens
-        if tokens is None:  # the documented default, clamped into [M_min, M_max] pages (§3.2)
-            m_min, m_max = m_range(self.serving)
-            tokens = min(max(DEFAULT_KV_TOKENS, self.serving.max_context, m_min * P), m_max * P)
+        tokens = self.kv_tokens if self.kv_tokens is not None else default_kv_tokens(
+            self.serving)
         return plan_explicit(self.model, self.serving, tokens)
 
 

@@ -61,7 +61,8 @@ def grow(store: KVStore, step_tokens: int = 1) -> GrowResult:
             ent = sp.entitlement + got
             # §6.2: the cushion is held back — the step about to launch plus one forced
             # control span must already be covered, not merely the step
-            need = min(budget, sp.committed + step_tokens + cfg.lease_cushion) + lead
+            need = min(min(budget, sp.committed + step_tokens + cfg.lease_cushion) + lead,
+                       pool.logical_pages * P)  # nothing is entitled past L pages
             if ceil_div(need, P) > ent:  # the step and its cushion would not be covered
                 covers[b] = min(covers.get(b, 1 << 62), max(sp.committed, ent * P - lead))
         if ids:

@@ -73,18 +73,24 @@ def _checkpoint(store: KVStore, checkpoint: int) -> list[str]:
     return list(b.pools)
 
 
-def _select(store: KVStore, checkpoint: int,
-            keep: Callable[[LogicalKVPage], bool]) -> list[tuple[str, list[int]]]:
-    """(pool, slots) of an inactive checkpoint's unpinned pages that ``keep`` accepts."""
+def _select(store: KVStore, checkpoint: int, keep: Callable[[LogicalKVPage], bool]
+            ) -> list[tuple[str, list[int]]]:
+    """(pool, slots) of an inactive checkpoint's pages that ``keep`` accepts."""
     st = store.state
     out = []
     for pool in _checkpoint(store, checkpoint):
         p = st.pools[pool]
         slots = [s for s in p.spaces[checkpoint].members
-                 if (pg := p.pages[s]) is not None and pg.pins == 0 and keep(pg)]
+                 if (pg := p.pages[s]) is not None and keep(pg)]
         if slots:
             out.append((pool, slots))
     return out
+
+
+def transfer_queued(st: StoreState, pool: str, pg: LogicalKVPage) -> bool:
+    """A D2H copy of this page is reserved and not yet published (its pins beyond those of
+    queued device copies are HostReserve's)."""
+    return pg.pins > st.copy_pins.get((pool, pg.slot), 0)
 
 
 def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
@@ -95,8 +101,12 @@ def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
     _checkpoint(store, checkpoint)
     if st.host is None or store.arena is None:
         raise HostArenaError("the store was opened without a host arena (host_bytes=0)")
-    recipe = _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
-                     and not replica_valid(pg, pg.committed))
+    # a page a queued restore/COW pins is copied too (the D2H runs after those copies); a
+    # page whose D2H is already queued is not queued twice
+    recipe = [(pool, [s for s in slots if not transfer_queued(st, pool, st.pools[pool].pages[s])])
+              for pool, slots in _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
+                                         and not replica_valid(pg, pg.committed))]
+    recipe = [(pool, slots) for pool, slots in recipe if slots]
     sizes = [_page_bytes(st, pool) for pool, slots in recipe for _ in slots]
     offsets = st.host.plan([], sizes)
     if offsets is None:
@@ -141,7 +151,8 @@ def drop_device(store: KVStore, checkpoint: int) -> int:
 def drop_host(store: KVStore, checkpoint: int) -> int:
     """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
     host arena extents; the checkpoint stays device-resident). Returns pages dropped."""
-    sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE)
+    sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE
+                  and pg.pins == 0)  # a pinned page's host replica may be what a copy reads
     store._emit(*(ev.HostDrop(pool, pack(slots)) for pool, slots in sel))
     return sum(len(slots) for _, slots in sel)
 

@@ -2,8 +2,11 @@
 
 The lock file holds the holder's pid (for the error message only; the kernel lock is what
 excludes). ``flock`` locks belong to the open file description, so the lock ends when the
-holder closes it or dies — no stale lock survives a ``kill -9``. Read-only tools (replay,
-inspect, dump, events) never take it and never write.
+holder closes it or dies — no stale lock survives a ``kill -9``. A forked child would share
+the description (and keep the lock after the parent closed): children close their inherited
+lock descriptors at fork, and a store refuses to be used from a process other than the one
+that opened it. Read-only tools (replay, inspect, dump, events) never take it and never
+write.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import weakref
 
 from ninfer_kv.errors import StoreLocked
 from ninfer_kv.journal.fs import secure_makedirs
@@ -19,7 +23,7 @@ LOCK_NAME = "LOCK"
 
 
 class DirLock:
-    __slots__ = ("path", "_fd")
+    __slots__ = ("path", "_fd", "__weakref__")
 
     def __init__(self, directory: str) -> None:
         secure_makedirs(directory)
@@ -38,11 +42,30 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
+        _LIVE.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the description drops the flock
             self._fd = None
+
+
+_LIVE: weakref.WeakSet[DirLock] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the inherited lock descriptors, so that the parent's close
+    (or death) releases its lock whatever the child does."""
+    for lk in list(_LIVE):
+        if lk._fd is not None:
+            try:
+                os.close(lk._fd)
+            except OSError:
+                pass
+            lk._fd = None
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def lock_dirs(directories: list[str]) -> list[DirLock]:

@@ -1,14 +1,17 @@
-"""Opening a store: lock, recover read-only, validate, and only then write.
+"""Opening a store: lock, recover read-only, validate, allocate, and only then write.
 
 The order is the rule (issue: "a refused open has already truncated the arena"):
 
 1. the configuration is validated (``StoreConfig.__post_init__``) and planned;
 2. the persistence/journal directories are created 0700 if missing and locked (``LOCK``) —
    the only files written before validation, and neither holds user data;
-3. the journal is scanned and replayed *without repairing anything* (snapshot + tail);
-4. the recovered pool set and host capacity are compared with the configuration — a
-   mismatch raises ``ConfigError`` with every file as it was;
-5. only now: the journal's torn tail is cut and a new segment started, the host arena file
+3. the journal is scanned and replayed *without repairing anything* (snapshot + tail), and
+   the recovered state must pass the full §14 check;
+4. the recovered pool set, model geometry, host capacity and host persistence are compared
+   with the configuration — a mismatch raises ``ConfigError`` with every file as it was;
+5. device planes, block tables and an in-memory host arena are allocated (an allocation
+   failure is a ``ConfigError``, still before any file changed);
+6. only now: the journal's torn tail is cut and a new segment started, the host arena file
    is mapped (and sized), and the restart cleanup record is written and synced.
 
 Any failure releases the locks and closes what was opened.
@@ -17,18 +20,23 @@ Any failure releases the locks and closes what was opened.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.capacity import CapacityPlan, geometry_mismatch
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
+from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
+from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.lock import lock_dirs
 from ninfer_kv.engine.state import StoreState, decode_state
-from ninfer_kv.errors import ConfigError, InvalidArgument, JournalError
+from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.fs import fsync_dir
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.recovery import recover_state, scan
 
@@ -36,12 +44,43 @@ if TYPE_CHECKING:
     from ninfer_kv.engine.store import KVStore
 
 ARENA_NAME = "host_arena.bin"
+T = TypeVar("T")
 
 
 def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
     for e in CODEC.decode(payload):
         apply(st, e)
     st.seq = seq
+
+
+def _check_matches(state: StoreState, config: StoreConfig, plan: CapacityPlan,
+                   specs: list[ev.PoolSpec], arena_path: str | None, jdir: str | None) -> None:
+    """The journal's pools, model geometry and host tier are the configuration's (§3.3:
+    fixed at startup) — otherwise its pages would be read as another model's KV."""
+    if state.pool_specs != specs:
+        raise ConfigError(f"journal {jdir} was written for pools {state.pool_specs}, this "
+                          f"config plans {specs}")
+    differ = geometry_mismatch(state.plan, plan.to_dict())
+    if differ:
+        raise ConfigError(f"journal {jdir} was written for another geometry: "
+                          + "; ".join(differ))
+    have = state.host.capacity if state.host is not None else 0
+    if have != config.host_bytes:
+        raise ConfigError(f"journal {jdir} was written with host_bytes={have}, this config "
+                          f"has {config.host_bytes}")
+    if state.host_persistent in (0, 1) and bool(state.host_persistent) != (
+            arena_path is not None):
+        was = "a file-backed (persist_dir)" if state.host_persistent else "an in-memory"
+        raise ConfigError(f"journal {jdir} was written with {was} host arena; open it the "
+                          "same way (its published host replicas would otherwise be lost)")
+
+
+def _allocate(what: str, make: Callable[[], T]) -> T:
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator says RuntimeError
+        raise ConfigError(f"cannot allocate {what}: {' '.join(str(exc).split())[:200]}"
+                          ) from None
 
 
 def _check_dir(name: str, path: str) -> None:
@@ -81,35 +120,41 @@ def open_store(cls: type[KVStore], config: StoreConfig | None) -> KVStore:
             report.records = last
             report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
                            for c in res.cuts]
+            broken = violations(state)
+            if broken:
+                raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
+                                     f"the recovered state breaks §14: {'; '.join(broken[:3])}")
         if state.configured:                                   # 4. validate against it
-            if state.pool_specs != specs:
-                raise ConfigError(f"journal {jdir} was written for pools {state.pool_specs}, "
-                                  f"this config plans {specs}")
-            have = state.host.capacity if state.host is not None else 0
-            if have != config.host_bytes:
-                raise ConfigError(f"journal {jdir} was written with host_bytes={have}, this "
-                                  f"config has {config.host_bytes}")
+            _check_matches(state, config, plan, specs, arena_path, jdir)
         if arena_path is not None and os.path.lexists(arena_path) and (
                 os.path.islink(arena_path) or not os.path.isfile(arena_path)):
             raise ConfigError(f"host arena {arena_path} is not a regular file")
-        journal = None                                         # 5. now write
+        device = _allocate("device planes and block tables", lambda: DeviceState(
+            {k.value: g for k, g in plan.layout.pools.items()}, plan.C, plan.L, config.device,
+            config.allocate_planes))                           # 5. allocate
+        arena = None
+        if config.host_bytes and arena_path is None:
+            arena = _allocate("the host arena", lambda: HostArenaBuffer(config.host_bytes))
+        journal = None                                         # 6. now write
         if jdir is not None:
             journal = Journal.open(jdir, CODEC, JournalOptions(
                 sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res)
             opened.append(journal)
-        store = cls(config, plan, state, journal, locks)
-        store.recovery = report
-        if config.host_bytes:
+        if arena_path is not None:
             try:
-                store.arena = HostArenaBuffer(config.host_bytes, arena_path)
+                arena = HostArenaBuffer(config.host_bytes, arena_path)
+                fsync_dir(os.path.dirname(arena_path))
             except OSError as exc:
                 raise ConfigError(f"cannot map host arena {arena_path}: {exc.strerror or exc}"
                                   ) from None
-            opened.append(store.arena)
+            opened.append(arena)
+        store = cls(config, plan, state, journal, locks, device)
+        store.recovery = report
+        store.arena = arena
         if not state.configured:
             store._emit(ev.Configure(specs, plan.to_dict()))
             if config.host_bytes:
-                store._emit(ev.HostConfigure(config.host_bytes))
+                store._emit(ev.HostConfigure(config.host_bytes, int(arena_path is not None)))
         else:
             store._recover_cleanup()
         store._publish_record()

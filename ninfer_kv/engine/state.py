@@ -25,7 +25,7 @@ from ninfer_kv.journal.events import PoolSpec
 
 class StoreState:
     __slots__ = ("pools", "bundles", "next_bundle", "plan", "pool_specs", "seq", "host",
-                 "host_pending", "copy_pins")
+                 "host_pending", "copy_pins", "host_persistent")
 
     def __init__(self) -> None:
         self.pools: dict[str, PoolState] = {}
@@ -39,6 +39,7 @@ class StoreState:
         self.host_pending: dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
         # pins held by queued device copies (Pin/Unpin): (pool, slot) -> count
         self.copy_pins: dict[tuple[str, int], int] = {}
+        self.host_persistent = -1  # HostConfigure.persistent: 1 file, 0 memory, -1 unknown
 
     @property
     def configured(self) -> bool:
@@ -68,6 +69,7 @@ class _StateSnap(msgspec.Struct, array_like=True, gc=False):
     host_live: list[tuple[int, int]] = []
     host_pending: list[tuple[int, str, list[int], list[int]]] = []
     copy_pins: list[tuple[str, int, int]] = []
+    host_persistent: int = -1
 
 
 def _canonical(obj: Any) -> Any:
@@ -96,6 +98,7 @@ def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
         snap.host_live = list(st.host.live.items())
         snap.host_pending = [(o, p, list(s), list(f))
                              for o, (p, s, f) in sorted(st.host_pending.items())]
+        snap.host_persistent = st.host_persistent
     return snap
 
 
@@ -147,6 +150,7 @@ def decode_state(data: bytes) -> StoreState:
         h.live = SortedDict(dict(snap.host_live))
         st.host = h
         st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
+        st.host_persistent = snap.host_persistent
     st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))

@@ -17,6 +17,7 @@ Typical step::
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from ninfer_kv.engine.lock import DirLock
 from ninfer_kv.engine.opening import open_store
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState, digest, encode_state
+from ninfer_kv.engine.state import StoreState, decode_state, digest, encode_state
 from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
@@ -73,13 +74,15 @@ class KVStore:
     ``StoreFailed`` until it is reopened, which recovers from the journal."""
 
     def __init__(self, config: StoreConfig, plan: CapacityPlan, state: StoreState,
-                 journal: Journal | None, locks: Sequence[DirLock] = ()) -> None:
+                 journal: Journal | None, locks: Sequence[DirLock] = (),
+                 device: DeviceState | None = None) -> None:
         self.config = config
         self.plan = plan
         self.state = state
         self.journal = journal
-        self.device = DeviceState({k.value: g for k, g in plan.layout.pools.items()},
-                                  plan.C, plan.L, config.device, config.allocate_planes)
+        self.device = device or DeviceState({k.value: g for k, g in plan.layout.pools.items()},
+                                            plan.C, plan.L, config.device,
+                                            config.allocate_planes)
         self._pending: list[Any] = []
         # device copies for the next boundary, in emission order (a page group freed and
         # reused within one record must be read by an earlier copy before it is overwritten)
@@ -92,6 +95,7 @@ class KVStore:
         self._failed: str | None = None
         self._locks = list(locks)
         self._snapshot_seq = state.seq
+        self._pid = os.getpid()  # a forked child must not write this store's files
         self.fault_hook: Callable[[str, str], None] | None = None
         """Test hook called as (step, pool) at each planning step of an activation."""
         self.recovery = RecoveryReport()
@@ -119,6 +123,9 @@ class KVStore:
     def close(self) -> None:
         """Publish what is pending (unless failed), sync, release files and locks. Idempotent."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child's copy: write nothing, keep no lock
+            self._closed = True
             return
         try:
             if self._failed is None and (self._pending or self._transfers or self._effects):
@@ -161,9 +168,16 @@ class KVStore:
         self._usable("compact")
         if self.journal is None:
             return 0
+        def decodes(payload: bytes) -> bool:
+            try:
+                decode_state(payload)
+            except Exception:  # noqa: BLE001 - any failure means recovery would skip it
+                return False
+            return True
+
         try:
-            return self.journal.compact()
-        except OSError as exc:
+            return self.journal.compact(decodes)
+        except (OSError, KVStoreError) as exc:
             self._fail("compact", exc)
             raise StoreFailed(f"compact: {self._failed}") from exc
 
@@ -172,6 +186,9 @@ class KVStore:
         """Every mutating command starts here: closed, failed and frozen stores refuse."""
         if self._closed:
             raise StoreClosed(f"{what} refused: the store is closed")
+        if os.getpid() != self._pid:
+            raise StoreFailed(f"{what} refused: this store was opened by process {self._pid}; "
+                              "a forked child must open its own (one writer per directory)")
         if self._failed is not None:
             raise StoreFailed(f"{what} refused: the store failed earlier ({self._failed}); "
                               "reopen it to recover from the journal")
@@ -325,6 +342,8 @@ class KVStore:
     def page(self, handle: PageHandle) -> LogicalKVPage:
         if not isinstance(handle, PageHandle):
             raise InvalidArgument(f"{handle!r} is not a PageHandle")
+        as_int("handle.slot", handle.slot)
+        as_int("handle.gen", handle.gen)
         p = self._pool(handle.pool)
         pg = p.pages[handle.slot] if 0 <= handle.slot < len(p.pages) else None
         if pg is None or pg.gen != handle.gen:
@@ -342,6 +361,7 @@ class KVStore:
         """Pages to entitle for a space at ``frontier`` with a prompt+output ``budget``: the whole
         budget by default; with kv_lease_growth only frontier + window + cushion (§6.2). The MTP
         pool adds its provisional lead of K-1 tokens (§3.3)."""
+        frontier, budget = as_int("frontier", frontier, lo=0), as_int("budget", budget, lo=0)
         tokens = budget
         if self.config.lease_growth:
             tokens = min(budget, frontier + self.config.lease_window + self.config.lease_cushion)
@@ -447,6 +467,8 @@ class KVStore:
         p = self._pool(pool)
         spaces, pages = p.spaces, p.pages
         bl, fl = _batch(bundles, "seqs", frontiers, "frontiers")
+        if not bl:
+            return
         for b, f in zip(bl, fl, strict=True):
             sp = spaces.get(b)
             if sp is None or not sp.active:
@@ -490,7 +512,8 @@ class KVStore:
             if not 0 <= f <= len(sp.members) * P:
                 raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} outside "
                                     f"[0, membership {len(sp.members) * P}]")
-        self._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))
+        if bl:
+            self._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))
 
     def trim(self, bundle: int, pool: str | PoolKind) -> int:
         """Unmap trailing pages: NeededPages = ceil(max(committed, provisional) / P) (§8.2).
@@ -544,6 +567,10 @@ class KVStore:
         if not isinstance(retain, bool) or not isinstance(reason, str):
             raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
                                   f"{reason!r} a str")
+        try:
+            reason.encode("utf-8")  # it is journaled: refuse now what could not be written
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
         b = self.state.bundles.get(bundle)
         if b is None or not b.active:
             raise InactiveSpace(f"seq {bundle} is not an active sequence")

@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 3)
+SCHEMA: tuple[int, int] = (1, 4)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
 1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
-Activate.held (0, the old meaning, when absent)."""
+Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent."""
 
 I32 = np.dtype("<i4")
 
@@ -217,6 +217,9 @@ class HostConfigure(_Event, tag="hcfg"):
     """The host arena's capacity in bytes (fixed at startup, spec §3.3)."""
 
     capacity: int
+    persistent: int = -1
+    """1: a file-backed arena (persist_dir), whose published replicas outlive the process;
+    0: in memory; -1: not recorded (schema < 1.4). A reopen must match a recorded value."""
 
 
 class HostReserve(_Event, tag="hres"):

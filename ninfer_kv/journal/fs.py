@@ -86,6 +86,15 @@ def secure_makedirs(directory: str) -> None:
             raise
         return
     os.chmod(directory, DIR_MODE)
+    fsync_dir(parent)  # the new entry survives a power loss before anything relies on it
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class OsFS:
@@ -116,11 +125,7 @@ class OsFS:
         os.truncate(path, size)
 
     def fsync_dir(self, directory: str) -> None:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(directory)
 
     def makedirs(self, directory: str) -> None:
         secure_makedirs(directory)

@@ -38,6 +38,7 @@ from ninfer_kv.journal.recovery import (
     list_segments,
     list_snapshots,
     scan,
+    usable_snapshots,
 )
 
 log = structlog.get_logger(__name__)
@@ -193,10 +194,16 @@ class Journal:
         return self.durable_seq
 
     def close(self) -> None:
-        if self._file is not None and self._failed is None:
-            self.sync()
-            self._file.close()
-        self._file = None
+        """Sync (unless failed) and close; the descriptor is closed either way."""
+        f = self._file
+        if f is None:
+            return
+        try:
+            if self._failed is None:
+                self.sync()
+        finally:
+            f.close()
+            self._file = None
 
     # --- snapshots --------------------------------------------------------------------------
     def write_snapshot(self, payload: bytes) -> str:
@@ -215,16 +222,26 @@ class Journal:
             self._fail(f"writing snapshot at seq {self.last_seq}: {exc}")
         snaps = list_snapshots(self.directory, self.fs)
         for _, old in snaps[:-self.options.keep_snapshots]:
-            self.fs.remove(old)
+            try:  # an old snapshot that stays is harmless: recovery picks the newest usable
+                self.fs.remove(old)
+            except OSError as exc:
+                log.warning("journal.snapshot_not_removed", path=old, error=str(exc))
         log.info("journal.snapshot", seq=self.last_seq, bytes=len(payload))
         return path
 
-    def compact(self) -> int:
-        """Remove segments wholly covered by the oldest kept snapshot; returns how many."""
-        snaps = list_snapshots(self.directory, self.fs)
-        if not snaps:
+    def compact(self, accept: Callable[[bytes], bool] = lambda payload: True) -> int:
+        """Remove segments wholly covered by the oldest snapshot recovery would use — on the
+        log's CRC chain (``usable_snapshots``) and whose payload ``accept`` takes (the engine
+        decodes it). A damaged or stale snapshot never licenses removing records. Returns
+        how many segments were removed."""
+        self.sync()
+        res = scan(self.directory, schema_major=self.codec.schema[0], fs=self.fs, repair=False)
+        usable = [s.seq for s in usable_snapshots(self.directory, res, self.codec.schema[0],
+                                                  self.fs)
+                  if not isinstance(s, str) and accept(s.payload)]
+        if not usable:
             return 0
-        oldest = snaps[0][0]
+        oldest = min(usable)
         segs = list_segments(self.directory, self.fs)
         removed = 0
         for (_, path), (_, nxt) in zip(segs, segs[1:], strict=False):

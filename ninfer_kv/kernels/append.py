@@ -21,7 +21,7 @@ from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import quant
 from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
-from ninfer_kv.kernels.checks import check_mapped, check_view
+from ninfer_kv.kernels.checks import check_index, check_mapped, check_values, check_view
 from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
 
 _ENC_CPU = quant.for_target(quant.encode_row, cpu=True)
@@ -43,6 +43,8 @@ def _append_cpu(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v)
         b = i // n_heads
         h = i % n_heads
         pos = positions[b]
+        if pos < 0 or (pos >> 6) >= tables.shape[1]:
+            continue  # outside the row: never read another row's entries
         g = tables[rows[b], pos >> 6]
         if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
             o = pos & 63
@@ -62,7 +64,9 @@ def _append_cuda() -> Any:
             b = i // n_heads
             h = i % n_heads
             pos = positions[b]
-            g = tables[rows[b], pos >> 6]
+            g = -1
+            if pos >= 0 and (pos >> 6) < tables.shape[1]:  # never another row's entries
+                g = tables[rows[b], pos >> 6]
             if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
                 o = pos & 63
                 enc(k_codec, k[b, h], kc, ks, g, h, o, d)
@@ -80,6 +84,10 @@ def page_major(t: torch.Tensor | None, order: PlaneOrder) -> torch.Tensor | None
 
 def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
+    check_values(k, "k", "append_kv", 3)
+    check_values(v, "v", "append_kv", 3)
+    check_index(table_rows, "table_rows", "append_kv")
+    check_index(positions, "positions", "append_kv")
     if k.shape != v.shape or k.dim() != 3 or k.shape[0] != table_rows.shape[0] or \
             positions.shape != table_rows.shape or table_rows.dim() != 1:
         raise InvalidArgument(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, table_rows "
@@ -88,8 +96,6 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     if k.shape[1] != view.num_kv_heads or k.shape[2] != view.head_dim:
         raise InvalidArgument(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
                               f"({view.num_kv_heads}, {view.head_dim})")
-    if not k.is_floating_point() or not v.is_floating_point():
-        raise InvalidArgument(f"append_kv: k/v must be floating point, got {k.dtype}/{v.dtype}")
     check_view(view, "append_kv")
     check_mapped(view, table_rows, positions, "append_kv")
     if getattr(view, "guard", None) is not None:  # checked mode: writer/frontier/ownership

@@ -40,7 +40,7 @@ from ninfer_kv.kernels.backend import (
     simulator,
     use_cuda_kernels,
 )
-from ninfer_kv.kernels.checks import check_read_domain, check_view
+from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view
 
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
@@ -241,6 +241,9 @@ def _combine(out_m: torch.Tensor, out_l: torch.Tensor, out_acc: torch.Tensor) ->
 def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                  context_lens: torch.Tensor, *, sm_scale: float | None = None,
                  n_split: int | None = None, force_cuda_sim: bool = False) -> torch.Tensor:
+    check_values(q, "q", "paged_decode", 3)
+    check_index(table_rows, "table_rows", "paged_decode")
+    check_index(context_lens, "context_lens", "paged_decode")
     n_rows, hq, d = q.shape
     h_kv = view.num_kv_heads
     if d != view.head_dim or hq % h_kv or d % 32 or d > 32 * MAXE:
@@ -280,6 +283,9 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
 def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: torch.Tensor,
                   **kw: Any) -> torch.Tensor:
     """Causal chunk attention: query t of row b sees positions [0, start[b] + t]."""
+    check_values(q, "q", "paged_prefill", 4)
+    check_index(table_rows, "table_rows", "paged_prefill")
+    check_index(start, "start", "paged_prefill")
     n_rows, t, hq, d = q.shape
     rows = table_rows.repeat_interleave(t)
     ctx = (start.view(-1, 1) + torch.arange(1, t + 1, device=start.device)).reshape(-1)

@@ -29,6 +29,26 @@ _SAME_BITS = {torch.uint16: (torch.uint16, torch.int16, torch.bfloat16),
 """Storage dtypes a plane may be handed in as (the same bits: BF16 codes as bfloat16)."""
 
 
+def check_index(t: Any, name: str, who: str, ndim: int = 1) -> None:
+    """An integer tensor of ``ndim`` dims (positions, rows, lengths): a float is refused,
+    never truncated, and a list is not taken for a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise InvalidArgument(f"{who}: {name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != ndim:
+        raise InvalidArgument(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_values(t: Any, name: str, who: str, ndim: int) -> None:
+    """A floating-point tensor (q, k, v) of ``ndim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point() or t.dim() != ndim:
+        raise InvalidArgument(f"{who}: {name} must be a {ndim}-D floating-point tensor, got "
+                              f"{t.dtype} {tuple(t.shape)}")
+
+
 def check_view(view: Any, who: str) -> None:
     tables = view.block_tables
     if tables.dtype != torch.int32 or tables.dim() not in (1, 2):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.incremental import IncrementalChecker
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.state import StoreState, decode_state, digest, to_snapshot
-from ninfer_kv.errors import JournalCorrupt, JournalError
+from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.recovery import usable_snapshots
 
@@ -38,6 +39,26 @@ class ReplayResult:
     @property
     def events_per_s(self) -> float:
         return self.events / self.seconds if self.seconds > 0 else float("inf")
+
+
+APPLY_ERRORS = (KeyError, IndexError, ValueError, TypeError, AssertionError, AttributeError)
+"""What ``apply`` raises on an event that does not fit the state (it never chooses, so it
+trusts its input; the store's commands validate before they emit)."""
+
+
+@contextlib.contextmanager
+def applying(seq: int, index: int, event: Any) -> Iterator[None]:
+    """Turn a failure to apply (or to read the state around) one journaled event into
+    ``UnappliableRecord`` naming the record."""
+    try:
+        yield
+    except APPLY_ERRORS as exc:
+        raise UnappliableRecord(seq, index, type(event).__name__, exc) from None
+
+
+def apply_event(st: StoreState, event: Any, seq: int, index: int) -> None:
+    with applying(seq, index, event):
+        apply(st, event)
 
 
 def replay_start(reader: JournalReader, until: int | None = None) -> tuple[StoreState, int]:
@@ -103,7 +124,7 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
         if until_record is not None and seq > until_record:
             break
         for i, e in enumerate(events):
-            apply(st, e)
+            apply_event(st, e, seq, i)
             n_events += 1
             if on_event is not None:
                 on_event(st, seq, i, e)
@@ -147,14 +168,13 @@ def diff(left: str, right: str) -> DiffResult:
     if fa != fb:
         raise JournalError(f"cannot diff: {left} starts at record {fa}, {right} at {fb}")
     for (qa, ea), (qb, eb) in zip(a.records(fa), b.records(fb), strict=False):
-        for e in ea:
-            apply(sa, e)
-        for e in eb:
-            apply(sb, e)
+        for i, e in enumerate(ea):
+            apply_event(sa, e, qa, i)
+        for i, e in enumerate(eb):
+            apply_event(sb, e, qb, i)
         if ea != eb:  # the first divergent record, and the state difference it causes
             diffs = state_differences(sa, sb) or ["events differ; the states they lead to agree"]
             return DiffResult(qa, a.last_seq, b.last_seq, diffs)
-        del qb
     res = DiffResult(None, a.last_seq, b.last_seq)
     if a.last_seq != b.last_seq:
         res.record = min(a.last_seq, b.last_seq) + 1

@@ -8,6 +8,7 @@ traceback and never exit 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     try:
         return _COMMANDS[args.command](args, console)
+    except BrokenPipeError:  # `ninfer-kv dump DIR | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (KVStoreError, OSError) as exc:
         what = type(exc).__name__
         text = " ".join(str(exc).split())  # one line, whatever the message holds

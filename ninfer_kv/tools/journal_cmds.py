@@ -18,6 +18,7 @@ from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay, replay_start
+from ninfer_kv.replay.core import applying
 from ninfer_kv.tools.argtypes import non_negative, positive
 from ninfer_kv.tools.output import emit_json
 
@@ -113,9 +114,10 @@ def state_at(directory: str, at: int | None,
         if at is not None and seq > at:
             break
         for i, e in enumerate(events):
-            if page is not None and _touches(st, e, *page):
-                history.append({"record": seq, "event_index": i, **ev.to_jsonable(e)})
-            apply(st, e)
+            with applying(seq, i, e):
+                if page is not None and _touches(st, e, *page):
+                    history.append({"record": seq, "event_index": i, **ev.to_jsonable(e)})
+                apply(st, e)
         st.seq = seq
     return st, history
 
@@ -233,44 +235,50 @@ def kv_events(directory: str) -> Iterator[dict[str, Any]]:
     reader = JournalReader(directory)
     st, start = replay_start(reader)
     for seq, events in reader.records(start):
-        for e in events:
-            before: dict[tuple[str, int], int] = {}
-            reason = _removal_reason(e)
-            if reason is not None:  # remember live pages of the pool to diff after apply
-                pool = st.pools.get(getattr(e, "pool", ""))
-                if pool is not None:
-                    before = {(pool.name, pg.slot): pg.gen for pg in pool.pages if pg is not None}
-            if isinstance(e, ev.Recovered):
-                yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU",
-                       "reason": "restart"}
-            if isinstance(e, ev.HostPublish):
-                pool_name, slots, _ = st.host_pending[e.offset]
-                pool = st.pools[pool_name]
-                yield {"record": seq, "type": "BlockStored", "medium": "CPU",
-                       "block_hashes": [block_hash(pool_name, s, pool.gens[s]) for s in slots],
-                       "parent_block_hash": None, "block_size": 64}
-            if isinstance(e, ev.DeviceDrop):
-                pool = st.pools[e.pool]
-                yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
-                       "reason": "demoted-to-host",
-                       "block_hashes": [block_hash(e.pool, s, pool.gens[s])
-                                        for s in ev.unpack(e.slots).tolist()]}
-            apply(st, e)
-            if isinstance(e, ev.Finish) and e.retain:
-                p = st.pools[e.pool]
-                members = p.spaces[e.bundle].members
-                hashes = [block_hash(e.pool, s, p.gens[s]) for s in members]
-                if hashes:
-                    yield {"record": seq, "type": "BlockStored", "medium": "GPU",
-                           "block_hashes": hashes, "parent_block_hash": None,
-                           "block_size": 64, "token_count": p.spaces[e.bundle].committed}
-            if before:
-                pool = st.pools[e.pool]
-                gone = [block_hash(name, slot, gen) for (name, slot), gen in before.items()
-                        if pool.pages[slot] is None or pool.pages[slot].gen != gen]
-                if gone:
-                    yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
-                           "reason": reason, "block_hashes": gone}
+        for i, e in enumerate(events):
+            with applying(seq, i, e):
+                yield from _event_items(st, seq, e)
+
+
+def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
+    """The KV events one journal event produces; applies it to ``st``."""
+    before: dict[tuple[str, int], int] = {}
+    reason = _removal_reason(e)
+    if reason is not None:  # remember live pages of the pool to diff after apply
+        pool = st.pools.get(getattr(e, "pool", ""))
+        if pool is not None:
+            before = {(pool.name, pg.slot): pg.gen for pg in pool.pages if pg is not None}
+    if isinstance(e, ev.Recovered):
+        yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU",
+               "reason": "restart"}
+    if isinstance(e, ev.HostPublish):
+        pool_name, slots, _ = st.host_pending[e.offset]
+        pool = st.pools[pool_name]
+        yield {"record": seq, "type": "BlockStored", "medium": "CPU",
+               "block_hashes": [block_hash(pool_name, s, pool.gens[s]) for s in slots],
+               "parent_block_hash": None, "block_size": 64}
+    if isinstance(e, ev.DeviceDrop):
+        pool = st.pools[e.pool]
+        yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
+               "reason": "demoted-to-host",
+               "block_hashes": [block_hash(e.pool, s, pool.gens[s])
+                                for s in ev.unpack(e.slots).tolist()]}
+    apply(st, e)
+    if isinstance(e, ev.Finish) and e.retain:
+        p = st.pools[e.pool]
+        members = p.spaces[e.bundle].members
+        hashes = [block_hash(e.pool, s, p.gens[s]) for s in members]
+        if hashes:
+            yield {"record": seq, "type": "BlockStored", "medium": "GPU",
+                   "block_hashes": hashes, "parent_block_hash": None,
+                   "block_size": 64, "token_count": p.spaces[e.bundle].committed}
+    if before:
+        pool = st.pools[e.pool]
+        gone = [block_hash(name, slot, gen) for (name, slot), gen in before.items()
+                if pool.pages[slot] is None or pool.pages[slot].gen != gen]
+        if gone:
+            yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
+                   "reason": reason, "block_hashes": gone}
 
 
 def _removal_reason(e: Any) -> str | None:

@@ -9,13 +9,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ninfer_kv.engine.capacity import (
-    DEFAULT_KV_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_SERVING,
     Backend,
     CapacityPlan,
     ModelGeometry,
     ServingConfig,
+    default_kv_tokens,
     parse_bytes,
     plan_automatic,
     plan_explicit,
@@ -59,7 +59,7 @@ def plan_from_args(a: argparse.Namespace) -> CapacityPlan:
         return plan_automatic(model, serving, parse_bytes(a.free_bytes),
                               parse_bytes(a.headroom or "0"))
     return plan_explicit(model, serving, a.kv_tokens if a.kv_tokens is not None
-                         else max(DEFAULT_KV_TOKENS, serving.max_context))
+                         else default_kv_tokens(serving))
 
 
 def register(sub: argparse._SubParsersAction) -> tuple[str, Callable[..., int]]:

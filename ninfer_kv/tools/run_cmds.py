@@ -12,10 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ninfer_kv.engine.apply import apply
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay_start
+from ninfer_kv.replay.core import apply_event
 from ninfer_kv.tools.argtypes import fraction, non_negative, positive
 from ninfer_kv.tools.output import emit_json
 from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, simulate
@@ -85,12 +85,12 @@ def timeline(directory: str, max_points: int = 2000) -> dict[str, Any]:
     data: dict[str, Any] = {"record": [], "pools": {}, "host_used": [], "prefix_hit_ratio": []}
     hit = prompt = 0
     for seq, events in reader.records(start):
-        for e in events:
+        for i, e in enumerate(events):
             if isinstance(e, ev.Activate) and e.pool == "main":
                 prompt += e.prompt
             elif isinstance(e, ev.Fork | ev.Move) and e.pool == "main":
                 hit += e.frontier
-            apply(st, e)
+            apply_event(st, e, seq, i)
         if seq % step and seq != reader.last_seq:
             continue
         data["record"].append(seq)

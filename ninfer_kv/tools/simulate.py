@@ -23,7 +23,7 @@ from typing import Any
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore, StoreConfig
-from ninfer_kv.errors import CapacityExhausted, HostArenaError
+from ninfer_kv.errors import CapacityExhausted, HostArenaError, InvalidArgument
 from ninfer_kv.journal.log import SyncPolicy
 
 HASH_BLOCK = 512
@@ -41,14 +41,21 @@ class Request:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+    """Mooncake jsonl: one object per line with timestamp, input_length, output_length and
+    hash_ids. A malformed line is an ``InvalidArgument`` naming the file and line."""
     out = []
     with open(path) as f:
         for i, line in enumerate(f):
             if limit is not None and i >= limit:
                 break
-            d = json.loads(line)
-            out.append(Request(i, int(d["timestamp"]), int(d["input_length"]),
-                               max(1, int(d["output_length"])), tuple(d["hash_ids"])))
+            try:
+                d = json.loads(line)
+                req = Request(i, int(d["timestamp"]), int(d["input_length"]),
+                              max(1, int(d["output_length"])), tuple(d["hash_ids"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InvalidArgument(f"{path}:{i + 1}: not a Mooncake trace line "
+                                      f"({type(exc).__name__}: {exc})") from None
+            out.append(req)
     return out
 
 

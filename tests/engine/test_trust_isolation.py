@@ -253,11 +253,12 @@ def test_checked_mode_refuses_writes_the_writer_does_not_own(tmp_path: Path) -> 
         append_kv(view, rows, torch.tensor([10]), k, v)  # the shared immutable page
     append_kv(view, rows, torch.tensor([100]), k, v)  # its own private tail: fine
     # a page pinned by a queued copy is not the writer's to write until the boundary ran it
+    # (and published the row that maps it)
     s2 = host_store(tmp_path / "h", checked=True)
     c2 = checkpoint_at(s2, 100)
     s2.offload(c2)
     x = s2.activate_from(c2, 100, 100, 50, keep_source=False)  # Move: x may write the tail
-    with pytest.raises(WritePermissionError, match="pins=1"):
+    with pytest.raises(WritePermissionError, match="not yet published"):
         append_kv(s2.batch_view("main", 0), s2.table_rows("main", [x]), torch.tensor([100]),
                   k, v)
     step(s2)

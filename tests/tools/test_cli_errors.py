@@ -71,3 +71,19 @@ def test_the_installed_entry_point_too(dirs: dict[str, str], argv: list[str]) ->
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_closed_pipe_is_not_an_error(dirs: dict[str, str], tmp_path: Path) -> None:
+    """``ninfer-kv dump DIR | head -1``: the reader leaves early; no error line."""
+    from ninfer_kv.engine.store import KVStore
+
+    s = KVStore.open(small_config(tmp_path))
+    for _ in range(400):
+        s.finish(s.activate(64, 10))
+        with s.boundary():
+            pass
+    s.close()
+    r = subprocess.run(f"{sys.executable} -m ninfer_kv.tools.cli dump {tmp_path / 'journal'} "
+                       "| head -1", shell=True, capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.stdout.count("\n") == 1 and "error" not in r.stderr, r.stderr[-500:]

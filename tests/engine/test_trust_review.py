@@ -1,0 +1,306 @@
+"""Regression tests for what an independent review of the trust fixes found (issue #11): the
+same classes of bug on paths the first regression tests did not walk."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
+from ninfer_kv.engine.store import KVStore, StoreConfig
+from ninfer_kv.errors import (
+    ConfigError,
+    InvalidArgument,
+    StoreFailed,
+    UnappliableRecord,
+    WritePermissionError,
+)
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.log import Journal
+from ninfer_kv.kernels.append import append_kv
+from ninfer_kv.kernels.attention import paged_decode, paged_prefill
+from ninfer_kv.replay import replay
+from tests.engine.conftest import small_config
+from tests.engine.test_continuation import checkpoint_at, step
+from tests.engine.test_host_tier import host_store
+from tests.engine.test_trust_durability import tree
+
+
+def churn(s: KVStore, n: int) -> None:
+    for _ in range(n):
+        a = s.activate(64, 64)
+        s.ensure_mapped(a, "main", 64)
+        step(s)
+        s.finish(a)
+        step(s)
+
+
+def test_compaction_never_trusts_a_snapshot_recovery_would_skip(tmp_path: Path) -> None:
+    def open_() -> KVStore:
+        return host_store(tmp_path, segment_bytes=512)
+
+    s = open_()
+    ck = checkpoint_at(s, 100)
+    s.offload(ck)
+    step(s)
+    churn(s, 20)
+    s.snapshot()
+    s.close()
+    segs = sorted((tmp_path / "persist" / "journal").glob("seg-*.log"))
+    last = [p for p in segs if p.stat().st_size > 64][-1]
+    os.truncate(last, last.stat().st_size - 5)  # the snapshot now names a cut record
+    s = open_()
+    assert s.recovery.snapshots_skipped
+    churn(s, 5)
+    s.compact()  # old code: removed the whole log on the strength of the stale snapshot
+    s.close()
+    s = open_()
+    assert s.recovery.kept == [ck]
+    s.close()
+
+
+def test_a_persistent_journal_is_not_reopened_with_an_in_memory_arena(tmp_path: Path) -> None:
+    right = small_config(None, pages=80, host_bytes=8 << 20, persist_dir=str(tmp_path / "p"))
+    s = KVStore.open(right)
+    ck = checkpoint_at(s, 100)
+    s.offload(ck, drop_device=True)
+    step(s)
+    s.close()
+    before = tree(tmp_path)
+    wrong = small_config(None, pages=80, host_bytes=8 << 20,
+                         journal_dir=str(tmp_path / "p" / "journal"))
+    with pytest.raises(ConfigError, match="file-backed"):
+        KVStore.open(wrong)  # old code: opened, dropped every checkpoint for good
+    assert tree(tmp_path) == before
+    s = KVStore.open(right)
+    assert s.recovery.kept == [ck]
+    s.close()
+
+
+def test_another_model_geometry_is_refused(tmp_path: Path) -> None:
+    def cfg(layers: int, heads: int) -> StoreConfig:
+        return StoreConfig(model=ModelGeometry(layers=layers, kv_heads=heads, head_dim=64),
+                           serving=ServingConfig(max_context=2048, max_concurrency=4),
+                           kv_tokens=80 * 64, host_bytes=8 << 20,
+                           persist_dir=str(tmp_path / "p"))
+
+    s = KVStore.open(cfg(2, 2))
+    ck = checkpoint_at(s, 100)
+    s.offload(ck)
+    step(s)
+    s.close()
+    with pytest.raises(ConfigError, match="another geometry"):
+        KVStore.open(cfg(4, 1))  # the same page bytes: old code served this KV to it
+    KVStore.open(cfg(2, 2)).close()
+
+
+def test_offload_copies_a_page_that_a_queued_copy_pins(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    c = checkpoint_at(s, 40)
+    s.activate_from(c, 40, 40, 40)  # the COW of c's tail pins it until the boundary
+    assert s.offload(c) == 1  # old code: 0, "already offloaded", and nothing was
+    step(s)
+    s.close()
+    s = host_store(tmp_path)
+    assert s.recovery.kept == [c]
+    s.close()
+
+
+def test_a_forked_child_neither_uses_nor_keeps_the_parents_store(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the child: any use of the inherited store is refused; then it lingers
+        try:
+            s.activate(10, 10)
+            code = 1
+        except StoreFailed:
+            code = 0
+        s.close()  # writes nothing
+        time.sleep(3)
+        os._exit(code)
+    time.sleep(0.5)
+    a = s.activate(10, 10)
+    step(s)
+    s.finish(a)
+    s.close()
+    s2 = host_store(tmp_path)  # old code: StoreLocked by the child's inherited descriptor
+    assert s2.recovery.cuts == []  # the child wrote nothing into the parent's journal
+    s2.close()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_checked_writes_through_an_unpublished_table_are_refused(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=40, checked=True))
+    a = s.activate(128, 64)
+    s.ensure_mapped(a, "main", 128)
+    step(s)
+    s.commit(a, "main", 64)
+    s.truncate(a, "main", 64)  # a's second page group is freed; no boundary yet
+    b = s.activate(64, 64)
+    s.ensure_mapped(b, "main", 64)  # ... and handed to b
+    s.ensure_mapped(a, "main", 128)
+    k = torch.ones(1, 2, 64)
+    with pytest.raises(WritePermissionError, match="not yet published"):
+        append_kv(s.batch_view("main", 0), s.table_rows("main", [a]), torch.tensor([64]), k, k)
+    step(s)
+    append_kv(s.batch_view("main", 0), s.table_rows("main", [a]), torch.tensor([64]), k, k)
+    s.close()
+
+
+def test_mtp_lease_growth_runs_to_the_end_of_the_budget(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=128, backend=Backend.MTP, lease_growth=True))
+    a = s.activate(2000, 48)  # budget 2048 = S: the MTP lead cannot reach past L pages
+    for pool in s.pools:
+        s.ensure_mapped(a, pool, 2000)
+    step(s)
+    for pool in s.pools:
+        s.commit(a, pool, 2000)
+    assert s.grow(1).exhausted == {}  # old code: exhausted 48 tokens early
+    s.close()
+
+
+def test_strings_that_cannot_be_journaled_are_refused(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(10, 10)
+    d = s.digest()
+    with pytest.raises(InvalidArgument, match="UTF-8"):
+        s.finish(a, reason="stop\ud800")
+    assert s.digest() == d
+    step(s)  # old code: StoreFailed here
+    s.close()
+
+
+def test_a_failed_allocation_is_refused_before_the_journal_changes(tmp_path: Path,
+                                                                   monkeypatch) -> None:  # noqa: ANN001
+    cfg = small_config(tmp_path)
+    s = KVStore.open(cfg)
+    s.activate(10, 10)
+    step(s)
+    s.close()
+    with open(tmp_path / "journal" / "seg-00000002.log", "ab") as f:
+        f.write(b"\x01" * 37)  # a torn tail that a writable open would cut
+    before = tree(tmp_path)
+    from ninfer_kv.engine import opening
+
+    def no_memory(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(opening, "DeviceState", no_memory)
+    with pytest.raises(ConfigError, match="cannot allocate"):
+        KVStore.open(cfg)  # old code: raw RuntimeError after the tail was cut
+    assert tree(tmp_path) == before
+
+
+def test_unappliable_records_are_typed_in_replay_and_the_tools(tmp_path: Path,
+                                                               capsys) -> None:  # noqa: ANN001
+    from ninfer_kv.tools.cli import main
+
+    d = str(tmp_path / "j")
+    j = Journal.open(d, CODEC)
+    j.append([ev.Release(7, "main")])  # well-formed, but no such pool or sequence
+    j.close()
+    with pytest.raises(UnappliableRecord, match="record 1 event 0 \\(Release\\)"):
+        replay(d)
+    for cmd in (["replay", d], ["inspect", d], ["events", d, "--json"], ["plot", d, "-o",
+                                                                            str(tmp_path / "x.png")]):
+        assert main(cmd) == 2, cmd  # old code: KeyError traceback
+        assert capsys.readouterr().err.startswith("error: UnappliableRecord")
+
+
+def test_a_failed_journal_closes_its_descriptor(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    s = host_store(tmp_path)
+    c = checkpoint_at(s, 100)
+    f = s.journal._file
+    monkeypatch.setattr(type(f), "fsync",
+                        lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    s.offload(c)
+    with pytest.raises(StoreFailed):
+        step(s)
+    fd = f._fd
+    s.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # old code: the segment stayed open
+
+
+def test_kernel_index_tensors_must_be_integer_tensors(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(64, 64)
+    s.ensure_mapped(a, "main", 64)
+    step(s)
+    view = s.batch_view("main", 0)
+    rows = s.table_rows("main", [a])
+    k = torch.zeros(1, 2, 64)
+    for bad in (lambda: append_kv(view, rows, torch.tensor([3.9]), k, k),
+                lambda: append_kv(view, rows.float(), torch.tensor([3]), k, k),
+                lambda: append_kv(view, [0], torch.tensor([3]), k, k),
+                lambda: paged_decode(torch.zeros(1, 64), view, rows, torch.tensor([3])),
+                lambda: paged_decode(torch.zeros(1, 4, 64), view, rows, torch.tensor([3.0])),
+                lambda: paged_prefill(torch.zeros(1, 4, 64), view, rows, torch.tensor([3])),
+                lambda: paged_prefill(torch.zeros(1, 1, 4, 64), view, rows,
+                                      torch.tensor([[3]]))):
+        with pytest.raises(InvalidArgument):
+            bad()
+    s.close()
+
+
+def test_more_bad_inputs_are_typed(tmp_path: Path) -> None:
+    from ninfer_kv.engine.pages import PageHandle
+
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(64, 64)
+    for call in (lambda: s.page(PageHandle("main", 1.5, 0)),
+                 lambda: s.page(PageHandle("main", None, 0)),
+                 lambda: s.entitlement_pages("main", None, None),
+                 lambda: s.entitlement_pages("main", -1, 10),
+                 lambda: s.commit_many("main", {a: 1}, {64: 1})):
+        with pytest.raises(InvalidArgument):
+            call()
+    step(s)
+    events = s.stats["events"]
+    s.commit_many("main", [], [])  # nothing to commit: nothing journaled
+    step(s)
+    assert s.stats["events"] == events
+    for cfg in (lambda: StoreConfig(model=None), lambda: StoreConfig(serving="x"),
+                lambda: StoreConfig(journal_dir=b"/tmp/x"), lambda: StoreConfig(persist_dir=""),
+                lambda: StoreConfig(journal_dir="")):
+        with pytest.raises(ConfigError):
+            cfg()
+    s.close()
+
+
+def test_plan_cli_uses_the_clamped_default(capsys) -> None:  # noqa: ANN001
+    from ninfer_kv.tools.cli import main
+
+    assert main(["plan", "--max-context", "2048", "--max-concurrency", "4", "--json"]) == 0
+    assert '"M": 128' in capsys.readouterr().out
+
+
+def test_a_malformed_trace_is_one_error_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from ninfer_kv.tools.cli import main
+
+    for text in ("not json\n", '{"timestamp": 1, "input_length": "x"}\n', '{"timestamp": 1}\n'):
+        (tmp_path / "t.jsonl").write_text(text)
+        assert main(["simulate", "--trace", str(tmp_path / "t.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: InvalidArgument") and "t.jsonl:1" in err
+
+
+def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
+    from ninfer_kv.errors import JournalCorrupt
+
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(64, 64)
+    step(s)
+    s.close()
+    j = Journal.open(str(tmp_path / "journal"), CODEC)
+    j.append([ev.Grow("main", ev.pack([a]), ev.pack([-9]))])  # applies; breaks §14
+    j.close()
+    with pytest.raises(JournalCorrupt, match="breaks §14"):
+        KVStore.open(s.config)
