@@ -1,0 +1,279 @@
+"""StoreCore: the store's lifecycle and event plumbing, under the commands of ``KVStore``.
+
+What every command relies on lives here: the one path by which events reach the state
+(``_emit`` -> ``apply``), the queues of the next boundary (pending events, device copies,
+touched table rows, D2H transfers), the boundary itself (one journal record, then the device
+effects in emission order, then the table-slice writes, then the transfers and their
+publication), and fail-stop: after any failed write, fsync, msync, device effect or apply,
+every later mutating call raises ``StoreFailed`` until the store is reopened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ninfer_kv.engine import host, restart
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.capacity import CapacityPlan
+from ninfer_kv.engine.config import RecoveryReport, StoreConfig
+from ninfer_kv.engine.device import UNMAPPED, DeviceState
+from ninfer_kv.engine.host_arena import HostArenaBuffer
+from ninfer_kv.engine.lock import DirLock
+from ninfer_kv.engine.opening import open_store
+from ninfer_kv.engine.state import StoreState, decode_state, encode_state
+from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import pack
+from ninfer_kv.journal.log import Journal
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = structlog.get_logger(__name__)
+
+
+class StoreCore:
+    """Lifecycle (open, close, snapshot, compact), fail-stop and the boundary. Not thread-safe
+    (one engine loop). ``KVStore`` adds the commands."""
+
+    def __init__(self, config: StoreConfig, plan: CapacityPlan, state: StoreState,
+                 journal: Journal | None, locks: Sequence[DirLock] = (),
+                 device: DeviceState | None = None) -> None:
+        self.config = config
+        self.plan = plan
+        self.state = state
+        self.journal = journal
+        self.device = device or DeviceState({k.value: g for k, g in plan.layout.pools.items()},
+                                            plan.C, plan.L, config.device,
+                                            config.allocate_planes)
+        self._pending: list[Any] = []
+        # device copies for the next boundary, in emission order (a page group freed and
+        # reused within one record must be read by an earlier copy before it is overwritten)
+        self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
+        self._touched: dict[tuple[str, int], int] = {}  # (pool, bundle) -> first block to publish
+        self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
+        self.arena: HostArenaBuffer | None = None
+        self._frozen = False
+        self._closed = False
+        self._failed: str | None = None
+        self._locks = list(locks)
+        self._snapshot_seq = state.seq
+        self._pid = os.getpid()  # a forked child must not write this store's files
+        self.fault_hook: Callable[[str, str], None] | None = None
+        """Test hook called as (step, pool) at each planning step of an activation."""
+        self.recovery = RecoveryReport()
+        self.stats = {"records": 0, "events": 0, "materialized": 0, "cow_copies": 0,
+                      "d2h_pages": 0, "d2h_runs": 0, "h2d_pages": 0, "published": 0}
+
+    # --- open / close -----------------------------------------------------------------------
+    @classmethod
+    def open(cls, config: StoreConfig | None = None) -> Self:
+        """Lock, recover (read-only), validate, then open for writing (engine/opening.py)."""
+        return open_store(cls, config)
+
+    def _recover_cleanup(self) -> None:
+        restart.recover_cleanup(self)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the store failed (fail-stop), or None."""
+        return self._failed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Publish what is pending (unless failed), sync, release files and locks. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child's copy: write nothing, keep no lock
+            self._closed = True
+            return
+        try:
+            if self._failed is None and (self._pending or self._transfers or self._effects):
+                self._frozen = False
+                self._publish_record()
+            if self.journal is not None and self._failed is None:
+                try:
+                    self.journal.sync()
+                except KVStoreError as exc:
+                    self._fail("close", exc)
+                    raise StoreFailed(f"close: {self._failed}") from exc
+        finally:
+            self._closed = True
+            if self.journal is not None:
+                with contextlib.suppress(KVStoreError, OSError):
+                    self.journal.close()
+                self.journal = None
+            if self.arena is not None:
+                with contextlib.suppress(OSError):
+                    self.arena.close()
+                self.arena = None
+            for lk in self._locks:
+                lk.release()
+            self._locks = []
+
+    def snapshot(self) -> str | None:
+        self._usable("snapshot")
+        if self.journal is None:
+            return None
+        if self._pending or self._transfers or self._effects:
+            self._publish_record()
+        try:
+            return self.journal.write_snapshot(encode_state(self.state))
+        except KVStoreError as exc:
+            self._fail("snapshot", exc)
+            raise StoreFailed(f"snapshot: {self._failed}") from exc
+
+    def compact(self) -> int:
+        """Remove journal segments wholly covered by the oldest kept snapshot."""
+        self._usable("compact")
+        if self.journal is None:
+            return 0
+        def decodes(payload: bytes) -> bool:
+            try:
+                decode_state(payload)
+            except Exception:  # noqa: BLE001 - any failure means recovery would skip it
+                return False
+            return True
+
+        try:
+            return self.journal.compact(decodes)
+        except (OSError, KVStoreError) as exc:
+            self._fail("compact", exc)
+            raise StoreFailed(f"compact: {self._failed}") from exc
+
+    # --- fail-stop ------------------------------------------------------------------------------
+    def _usable(self, what: str) -> None:
+        """Every mutating command starts here: closed, failed and frozen stores refuse."""
+        if self._closed:
+            raise StoreClosed(f"{what} refused: the store is closed")
+        if os.getpid() != self._pid:
+            raise StoreFailed(f"{what} refused: this store was opened by process {self._pid}; "
+                              "a forked child must open its own (one writer per directory)")
+        if self._failed is not None:
+            raise StoreFailed(f"{what} refused: the store failed earlier ({self._failed}); "
+                              "reopen it to recover from the journal")
+        if self._frozen:
+            raise FrozenUnit(f"{what} refused: a GPU unit is in flight; tables, memberships and "
+                             "frontiers are frozen until unit_complete() (§8.4)")
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = f"{what}: {type(exc).__name__}: {exc}"
+            log.error("store.failed", reason=self._failed)
+        # queued work is abandoned, never half-run later: the journal is the truth on reopen
+        self._pending.clear()
+        self._effects.clear()
+        self._touched.clear()
+        self._transfers.clear()
+
+    # --- event plumbing ---------------------------------------------------------------------
+    def _emit(self, *events: Any) -> None:
+        for e in events:
+            try:
+                apply(self.state, e)
+            except Exception as exc:  # a validated event that does not apply is a bug: stop
+                self._fail(f"apply {type(e).__name__}", exc)
+                raise StoreFailed(f"event {type(e).__name__} could not be applied; the store "
+                                  f"stopped: {self._failed}") from exc
+            self._pending.append(e)
+
+    def _touch(self, pool: str, bundle: int, block: int) -> None:
+        key = (pool, bundle)
+        cur = self._touched.get(key)
+        if cur is None or block < cur:
+            self._touched[key] = block
+
+    def _append_pending(self) -> int:
+        seq = self.state.seq
+        if self._pending:
+            if self.journal is not None:
+                seq = self.journal.append(self._pending)
+            else:
+                seq += 1
+            self.state.seq = seq
+            self.stats["records"] += 1
+            self.stats["events"] += len(self._pending)
+            self._pending = []
+        return seq
+
+    def _publish_record(self) -> int:
+        """One boundary; any failure inside stops the store (fail-stop) and raises
+        ``StoreFailed`` — nothing queued is left to run later."""
+        try:
+            return self._publish_record_unguarded()
+        except BaseException as exc:
+            self._fail("boundary", exc)
+            raise StoreFailed(f"boundary failed; the store stopped: {self._failed}") from exc
+
+    def _publish_record_unguarded(self) -> int:
+        """Append pending events as one record (write-ahead), then run the device effects in
+        emission order — H2D restores and COW copies — and the table-slice writes. If copies
+        ran, their pins are released in a second record; queued D2H transfers then run, are
+        verified and published (with the device drops they allow) in that record, which is
+        synced before the boundary returns (a durability point)."""
+        seq = self._append_pending()
+        for e in self._effects:
+            if isinstance(e, ev.DeviceRestore):
+                host.restore_pages(self, [e])
+            else:
+                self.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
+        self._effects.clear()
+        if self.state.copy_pins:  # every queued copy ran: release what they pinned
+            by_pool: dict[str, list[int]] = {}
+            for (pool, slot), n in sorted(self.state.copy_pins.items()):
+                by_pool.setdefault(pool, []).extend([slot] * n)
+            self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
+        for (pool, bundle), start in self._touched.items():
+            sp = self.state.pools[pool].spaces.get(bundle)
+            if sp is None or not sp.active:
+                continue
+            pages = self.state.pools[pool].pages
+            ids = [pages[s].device for s in sp.members[start:]]  # type: ignore[union-attr]
+            ids.extend([UNMAPPED] * (self.plan.L - start - len(ids)))  # no stale entries
+            self.device.write_table(pool, sp.row, start, ids)
+        self._touched.clear()
+        durable = False
+        if self._transfers:
+            transfers, self._transfers = self._transfers, []
+            published = host.run_transfers(self, transfers)
+            self._emit(*published)
+            self._emit(*host.drops_after_publish(self, transfers))
+            self.stats["published"] += len(published)
+            durable = True
+        if self._pending:
+            seq = self._append_pending()
+        if durable and self.journal is not None:
+            self.journal.sync()
+        every = self.config.snapshot_every
+        if every and self.journal is not None and seq - self._snapshot_seq >= every:
+            self.journal.write_snapshot(encode_state(self.state))
+            self._snapshot_seq = seq
+        return seq
+
+    # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
+    def close_boundary(self) -> int:
+        """Publish: journal record, device effects; then freeze until unit_complete()."""
+        self._usable("close_boundary")
+        seq = self._publish_record()
+        self._frozen = True
+        return seq
+
+    def unit_complete(self) -> None:
+        self._frozen = False
+
+    @contextlib.contextmanager
+    def boundary(self) -> Iterator[int]:
+        seq = self.close_boundary()
+        try:
+            yield seq
+        finally:
+            self.unit_complete()
+
