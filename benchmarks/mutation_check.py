@@ -93,10 +93,11 @@ class Target:
 KIND_OPS: dict[str, tuple[str, ...]] = {"raise": ("raise",), "check": ("check",),
                                         "filter": ("select", "guard"), "recovery": ("guard",)}
 
-RAISE_MODULES = ("engine/store.py", "engine/continuation.py", "engine/host.py", "engine/growth.py",
-                 "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
-                 "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
-                 "journal/reader.py", "kernels/checks.py", "kernels/append.py")
+RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/continuation.py", "engine/host.py",
+                 "engine/growth.py", "engine/opening.py", "engine/checked.py", "engine/args.py",
+                 "engine/config.py", "engine/capacity.py", "engine/lock.py", "journal/log.py",
+                 "journal/recovery.py", "journal/reader.py", "kernels/checks.py",
+                 "kernels/append.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -122,16 +123,19 @@ VERDICT_NAMES = frozenset({"bad", "reason", "durable_later"})
 # (the hypothesis state machine first), then every other fast test file of the suite -- so a
 # reported survivor is one that no test of the suite kills (SLOW files excepted).
 
-ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_store_core.py",
+ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
+          "tests/engine/test_store_core.py",
           "tests/engine/test_continuation.py", "tests/engine/test_host_tier.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
           "tests/engine/test_host_arena.py"]
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
-JOURNAL = ["tests/journal/test_journal.py", "tests/journal/test_journal_property.py",
+JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",
+           "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py"]
-KERNELS = ["tests/engine/test_trust_isolation.py", "tests/engine/test_trust_errors.py",
+KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/engine/test_trust_isolation.py",
+           "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
            "tests/kernels/test_kernels_cpu.py"]
 OPENING = [*ENGINE, "tests/kernels/test_store_kernels.py", "tests/tools/test_cli*.py"]
