@@ -111,7 +111,9 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
     Target("engine/host.py", "recovery", ("verify_checkpoint",)),
-    Target("journal/recovery.py", "recovery", ("usable_snapshots", "scan", "_judge_damage")),
+    Target("journal/recovery.py", "recovery", ("usable_snapshots", "scan", "_judge_damage",
+                                                "snapshot_segment", "scan_from_snapshot",
+                                                "recover_state")),
 )
 
 VERDICT_NAMES = frozenset({"bad", "reason", "durable_later"})
@@ -131,6 +133,7 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",
+           "tests/journal/test_snapshot_scan.py",
            "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py"]

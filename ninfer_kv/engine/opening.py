@@ -38,7 +38,7 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.fs import fsync_dir
 from ninfer_kv.journal.log import Journal, JournalOptions
-from ninfer_kv.journal.recovery import recover_state, scan
+from ninfer_kv.journal.recovery import recover_state
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.store import KVStore
@@ -112,10 +112,9 @@ def open_store(cls: type[KVStore], config: StoreConfig | None) -> KVStore:
     try:
         state, report, res = StoreState(), RecoveryReport(), None
         if jdir is not None:                                   # 3. read-only recovery
-            res = scan(jdir, schema_major=CODEC.schema[0], repair=False)
-            state, last, res = recover_state(
+            state, last, res = recover_state(  # from the newest snapshot's segment on
                 jdir, schema_major=CODEC.schema[0], initial=StoreState,
-                load_snapshot=decode_state, apply_record=_apply_record, scan_result=res,
+                load_snapshot=decode_state, apply_record=_apply_record, repair=False,
                 skipped=report.snapshots_skipped)
             report.records = last
             report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"

@@ -19,7 +19,7 @@ class WritableFile(Protocol):
 
 class FileSystem(Protocol):
     def listdir(self, directory: str) -> list[str]: ...
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str, limit: int = -1) -> bytes: ...
     def create(self, path: str) -> WritableFile: ...
     def open_append(self, path: str) -> WritableFile: ...
     def rename(self, src: str, dst: str) -> None: ...
@@ -103,10 +103,11 @@ class OsFS:
     def listdir(self, directory: str) -> list[str]:
         return os.listdir(directory)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, limit: int = -1) -> bytes:
+        """The file's bytes; with ``limit`` >= 0 at most that many from its start."""
         fd = open_private(path, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
-            return f.read()
+            return f.read(limit)
 
     def create(self, path: str) -> WritableFile:
         return _OsFile(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0)

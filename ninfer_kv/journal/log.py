@@ -24,6 +24,7 @@ import structlog
 from ninfer_kv.errors import JournalError, JournalFailed
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
+    SEG_HEADER_SIZE,
     TMP_RE,
     SegmentHeader,
     pack_record,
@@ -38,6 +39,7 @@ from ninfer_kv.journal.recovery import (
     list_segments,
     list_snapshots,
     scan,
+    scan_from_snapshot,
     usable_snapshots,
 )
 
@@ -102,8 +104,11 @@ class Journal:
         except OSError as exc:
             raise JournalError(f"cannot create journal directory {directory}: "
                                f"{exc.strerror or exc}") from None
-        res = scan_result or scan(directory, schema_major=codec.schema[0], fs=fs, repair=False,
-                                  salvage=options.salvage)
+        major = codec.schema[0]
+        res = (scan_result
+               or scan_from_snapshot(directory, schema_major=major, fs=fs, salvage=options.salvage)
+               or scan(directory, schema_major=major, fs=fs, repair=False,
+                       salvage=options.salvage))
         try:
             for name in fs.listdir(directory):
                 if TMP_RE.match(name):
@@ -207,7 +212,10 @@ class Journal:
 
     # --- snapshots --------------------------------------------------------------------------
     def write_snapshot(self, payload: bytes) -> str:
-        """Persist an engine state taken after record ``last_seq`` (log synced first)."""
+        """Persist an engine state taken after record ``last_seq`` (log synced first), then
+        end the segment: the next record starts a new one whose header names the snapshot's
+        record CRC, so recovery scans from there and never re-reads what the snapshot covers
+        (``recovery.snapshot_segment``)."""
         self.sync()
         path = os.path.join(self.directory, snapshot_name(self.last_seq))
         tmp = path + ".tmp"
@@ -227,6 +235,11 @@ class Journal:
             except OSError as exc:
                 log.warning("journal.snapshot_not_removed", path=old, error=str(exc))
         log.info("journal.snapshot", seq=self.last_seq, bytes=len(payload))
+        if self._seg_records:
+            f = self._check()
+            f.close()
+            self._file = None
+            self._start_segment()
         return path
 
     def compact(self, accept: Callable[[bytes], bool] = lambda payload: True) -> int:
@@ -235,17 +248,22 @@ class Journal:
         decodes it). A damaged or stale snapshot never licenses removing records. Returns
         how many segments were removed."""
         self.sync()
-        res = scan(self.directory, schema_major=self.codec.schema[0], fs=self.fs, repair=False)
-        usable = [s.seq for s in usable_snapshots(self.directory, res, self.codec.schema[0],
-                                                  self.fs)
-                  if not isinstance(s, str) and accept(s.payload)]
+        major = self.codec.schema[0]
+        usable: list[int] = []
+        for res in (scan_from_snapshot(self.directory, schema_major=major, fs=self.fs),
+                    None):  # as recovery reads the log: from the snapshot, else all of it
+            res = res or scan(self.directory, schema_major=major, fs=self.fs, repair=False)
+            usable = [s.seq for s in usable_snapshots(self.directory, res, major, self.fs)
+                      if not isinstance(s, str) and accept(s.payload)]
+            if usable:
+                break
         if not usable:
             return 0
         oldest = min(usable)
         segs = list_segments(self.directory, self.fs)
         removed = 0
         for (_, path), (_, nxt) in zip(segs, segs[1:], strict=False):
-            first_next = SegmentHeader.parse(self.fs.read(nxt))
+            first_next = SegmentHeader.parse(self.fs.read(nxt, SEG_HEADER_SIZE))
             if isinstance(first_next, SegmentHeader) and first_next.first_seq - 1 <= oldest:
                 self.fs.remove(path)
                 removed += 1

@@ -111,9 +111,9 @@ def _later_valid(buf: bytes, start: int, salt: int) -> Frame | None:
         pos = cand + 1
 
 
-def _read(fs: FileSystem, path: str) -> bytes:
+def _read(fs: FileSystem, path: str, limit: int = -1) -> bytes:
     try:
-        return fs.read(path)
+        return fs.read(path, limit)
     except OSError as exc:
         raise JournalError(f"cannot read {path}: {exc.strerror or exc} (journal files are "
                            "never opened through a symlink)") from None
@@ -130,11 +130,13 @@ def apply_repairs(res: ScanResult, fs: FileSystem = OS_FS) -> None:
 
 
 def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: bool = True,
-         salvage: bool = False) -> ScanResult:
+         salvage: bool = False, first_segment: int = 0) -> ScanResult:
     """Validate every segment in order. With ``repair`` the torn tail is cut on disk; without
-    it nothing is written and ``res.repairs`` says what a repair would do."""
+    it nothing is written and ``res.repairs`` says what a repair would do. ``first_segment``:
+    start at that segment, as if the ones before it had been compacted away (recovery from a
+    snapshot that covers them, :func:`snapshot_segment`)."""
     res = ScanResult()
-    segs = list_segments(directory, fs)
+    segs = [(n, p) for n, p in list_segments(directory, fs) if n >= first_segment]
     expect_seq, chain = 1, 0
     for idx, (num, path) in enumerate(segs):
         data = _read(fs, path)
@@ -250,6 +252,45 @@ def usable_snapshots(directory: str, res: ScanResult, schema_major: int,
             yield snap
 
 
+def snapshot_segment(directory: str, schema_major: int, fs: FileSystem = OS_FS) -> int | None:
+    """The segment a recovery from the newest well-formed snapshot starts its scan at: the
+    last one whose first record is at most one past the snapshot's (a snapshot ends its
+    segment, so usually the segment right after it). None without such a snapshot. Reads
+    segment headers only; whether the snapshot is on the log's CRC chain is decided by the
+    scan (:func:`usable_snapshots`)."""
+    snap = None
+    for seq, path in reversed(list_snapshots(directory, fs)):
+        cand = parse_snapshot(_read(fs, path))
+        if (not isinstance(cand, str) and cand.seq == seq
+                and cand.schema_major <= schema_major):
+            snap = cand
+            break
+    if snap is None:
+        return None
+    start = None
+    for num, path in list_segments(directory, fs):
+        hdr = SegmentHeader.parse(_read(fs, path, SEG_HEADER_SIZE))
+        if isinstance(hdr, str) or hdr.first_seq > snap.seq + 1:
+            break
+        start = num
+    return start
+
+
+def scan_from_snapshot(directory: str, *, schema_major: int, fs: FileSystem = OS_FS,
+                       salvage: bool = False) -> ScanResult | None:
+    """``scan(repair=False)`` from the newest snapshot's segment on, if a snapshot on that
+    partial log's CRC chain covers the segments it skips; else None (scan the whole log).
+    Records a usable snapshot covers are not read, as if compacted."""
+    first = snapshot_segment(directory, schema_major, fs)
+    if first is None:
+        return None
+    res = scan(directory, schema_major=schema_major, fs=fs, salvage=salvage, repair=False,
+               first_segment=first)
+    if any(not isinstance(s, str) for s in usable_snapshots(directory, res, schema_major, fs)):
+        return res
+    return None
+
+
 S = TypeVar("S")
 
 
@@ -257,27 +298,34 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
                   load_snapshot: Callable[[bytes], S],
                   apply_record: Callable[[S, int, memoryview], None],
                   fs: FileSystem = OS_FS, salvage: bool = False,
-                  scan_result: ScanResult | None = None,
+                  scan_result: ScanResult | None = None, repair: bool = True,
                   skipped: list[str] | None = None) -> tuple[S, int, ScanResult]:
     """Newest usable snapshot + replay of the tail. Returns (state, last seq, scan).
+
+    Without ``scan_result`` the scan starts at the newest snapshot's segment
+    (:func:`snapshot_segment`): records a snapshot covers are not read again, as if
+    compacted. If that snapshot turns out unusable the whole log is scanned instead.
 
     A snapshot that cannot be used (damaged, beyond the log, off its CRC chain, or whose
     payload ``load_snapshot`` refuses) is skipped, logged and listed in ``skipped``; with
     none usable the whole log is replayed — which needs the log to start at seq 1. A record
     that ``apply_record`` cannot apply raises ``JournalCorrupt`` naming it."""
-    res = scan_result or scan(directory, schema_major=schema_major, fs=fs, salvage=salvage)
+    def full() -> ScanResult:
+        return scan(directory, schema_major=schema_major, fs=fs, salvage=salvage, repair=repair)
+
+    partial = None if scan_result is not None else scan_from_snapshot(
+        directory, schema_major=schema_major, fs=fs, salvage=salvage)
+    res = scan_result or partial or full()
     skipped = [] if skipped is None else skipped
-    state: S | None = None
-    start = 1
-    for cand in usable_snapshots(directory, res, schema_major, fs):
-        if isinstance(cand, str):
-            skipped.append(cand)
-            continue
-        try:
-            state, start = load_snapshot(cand.payload), cand.seq + 1
-            break
-        except Exception as exc:  # a foreign or incompatible payload: never trusted
-            skipped.append(f"snap-{cand.seq:016d}.snap: payload does not decode: {exc!r}")
+    found = _load_snapshot(directory, res, schema_major, fs, load_snapshot)
+    if partial is not None:
+        if found[0] is None:  # no snapshot the partial scan kept decodes: read it all
+            res = full()
+            found = _load_snapshot(directory, res, schema_major, fs, load_snapshot)
+        elif repair:
+            apply_repairs(res, fs)
+    state, start, why_skipped = found
+    skipped.extend(why_skipped)
     for why in skipped:
         log.warning("journal.snapshot_skipped", reason=why)
     if state is None:
@@ -296,5 +344,23 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
     return state, res.last_seq, res
 
 
+def _load_snapshot(directory: str, res: ScanResult, schema_major: int, fs: FileSystem,
+                   load: Callable[[bytes], S]) -> tuple[S | None, int, list[str]]:
+    """(state, first seq to replay, why each newer snapshot was skipped) from the newest
+    snapshot that is usable on ``res`` and whose payload ``load`` accepts; (None, 1, …) if
+    none is."""
+    skipped: list[str] = []
+    for cand in usable_snapshots(directory, res, schema_major, fs):
+        if isinstance(cand, str):
+            skipped.append(cand)
+            continue
+        try:
+            return load(cand.payload), cand.seq + 1, skipped
+        except Exception as exc:  # a foreign or incompatible payload: never trusted
+            skipped.append(f"snap-{cand.seq:016d}.snap: payload does not decode: {exc!r}")
+    return None, 1, skipped
+
+
 __all__ = ["FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "apply_repairs", "iter_frames",
-           "list_segments", "list_snapshots", "recover_state", "scan", "usable_snapshots"]
+           "list_segments", "list_snapshots", "recover_state", "scan", "scan_from_snapshot",
+           "snapshot_segment", "usable_snapshots"]

@@ -116,8 +116,8 @@ def test_continuation_refusals(tmp_path: Path) -> None:
 
 
 # --- host-tier page filters ---------------------------------------------------------------------
-def grown_from_offloaded(s: KVStore, truncate_to: int | None) -> int:
-    """ck offloaded at 40 tokens; Moved into y; y (optionally truncated) commits to 50;
+def grown_from_offloaded(s: KVStore, truncate_to: int | None, to: int = 50) -> int:
+    """ck offloaded at 40 tokens; Moved into y; y (optionally truncated) commits to ``to``;
     finished: a checkpoint whose page has an older host replica than its content."""
     ck = checkpoint_at(s, 40)
     s.offload(ck)
@@ -128,20 +128,24 @@ def grown_from_offloaded(s: KVStore, truncate_to: int | None) -> int:
         s.truncate(y, "main", truncate_to)  # new epoch: the old replica is stale
         step(s)
     start = s.space(y).committed
-    s.ensure_mapped(y, "main", 50)
+    s.ensure_mapped(y, "main", to)
     step(s)
-    write_tokens(s, y, "main", start, 50)
-    s.commit(y, "main", 50)
+    write_tokens(s, y, "main", start, to)
+    s.commit(y, "main", to)
     s.finish(y, retain=True)
     step(s)
     return y
 
 
-@pytest.mark.parametrize("truncate_to", [None, 20], ids=["coverage", "epoch"])
-def test_a_stale_host_replica_is_offloaded_again(tmp_path: Path, truncate_to: int | None) -> None:
+@pytest.mark.parametrize("truncate_to,to", [(None, 50), (20, 40)], ids=["coverage", "epoch"])
+def test_a_stale_host_replica_is_offloaded_again(tmp_path: Path, truncate_to: int | None,
+                                                 to: int) -> None:
+    """Coverage: the replica covers 40 of 50 columns. Epoch: it covers all 40, but columns
+    20..40 were rewritten after a truncate (§5.1: the epoch no longer matches)."""
     s = host_store(tmp_path)
-    y = grown_from_offloaded(s, truncate_to)
-    assert s.offload(y) == 1  # the replica covers 40 columns (or an old epoch): not valid
+    y = grown_from_offloaded(s, truncate_to, to)
+    assert s.drop_device(y) == 0  # no valid replica: dropping would lose committed bytes
+    assert s.offload(y) == 1
     s.close()
 
 

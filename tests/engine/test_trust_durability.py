@@ -24,7 +24,7 @@ from ninfer_kv.errors import (
     StoreFailed,
     StoreLocked,
 )
-from ninfer_kv.journal.format import pack_snapshot, snapshot_name
+from ninfer_kv.journal.format import SEG_HEADER_SIZE, pack_snapshot, snapshot_name
 from ninfer_kv.journal.log import SyncPolicy
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay
@@ -55,6 +55,9 @@ def test_stale_snapshot_is_never_reused_after_the_log_was_cut(tmp_path: Path) ->
     s.snapshot()  # names the last record (its seq and CRC)
     s.close()
     jdir = tmp_path / "journal"
+    empty = segments(jdir)[-1]  # the snapshot ended its segment; this one holds no record
+    assert empty.stat().st_size == SEG_HEADER_SIZE
+    empty.unlink()  # as if the crash came between the snapshot and the segment after it
     last = segments(jdir)[-1]
     os.truncate(last, last.stat().st_size - 3)  # the last record is torn: recovery cuts it
     s1 = KVStore.open(s.config)  # writes a different record under the same seq

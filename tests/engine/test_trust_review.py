@@ -22,6 +22,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.format import SEG_HEADER_SIZE
 from ninfer_kv.journal.log import Journal
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode, paged_prefill
@@ -53,8 +54,9 @@ def test_compaction_never_trusts_a_snapshot_recovery_would_skip(tmp_path: Path) 
     s.snapshot()
     s.close()
     segs = sorted((tmp_path / "persist" / "journal").glob("seg-*.log"))
-    last = [p for p in segs if p.stat().st_size > 64][-1]
-    os.truncate(last, last.stat().st_size - 5)  # the snapshot now names a cut record
+    assert segs[-1].stat().st_size == SEG_HEADER_SIZE  # the snapshot ended its segment
+    segs.pop().unlink()  # crash before the segment after the snapshot existed
+    os.truncate(segs[-1], segs[-1].stat().st_size - 5)  # the snapshot now names a cut record
     s = open_()
     assert s.recovery.snapshots_skipped
     churn(s, 5)

@@ -82,8 +82,9 @@ class CrashFS:
     def listdir(self, directory: str) -> list[str]:
         return [posixpath.basename(p) for p in self.files if posixpath.dirname(p) == directory]
 
-    def read(self, path: str) -> bytes:
-        return self.files[path].view()
+    def read(self, path: str, limit: int = -1) -> bytes:
+        data = self.files[path].view()
+        return data if limit < 0 else data[:limit]
 
     def create(self, path: str) -> _File:
         self.files[path] = _Node()

@@ -1,0 +1,184 @@
+"""Recovery starts at the newest snapshot's segment (docs/journal-format.md, "Recovery").
+
+A snapshot ends its segment, so the next record opens a segment whose header names the
+snapshot's record CRC; recovery reads segment headers only up to there and scans from it. If
+that snapshot is not usable the whole log is read, as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+
+from ninfer_kv.errors import JournalCorrupt
+from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.format import (
+    SEG_HEADER_SIZE,
+    SegmentHeader,
+    Snapshot,
+    pack_snapshot,
+    parse_snapshot,
+    snapshot_name,
+)
+from ninfer_kv.journal.log import Journal
+from ninfer_kv.journal.recovery import snapshot_segment
+from tests.journal.crashfs import CrashFS
+from tests.journal.test_journal import Counter, D, _apply, _recover, batch, write_log
+
+
+class CountingFS(CrashFS):
+    """Counts whole-file reads per path (a header read passes a limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full_reads: dict[str, int] = {}
+
+    def read(self, path: str, limit: int = -1) -> bytes:
+        if limit < 0:
+            self.full_reads[path] = self.full_reads.get(path, 0) + 1
+        return super().read(path, limit)
+
+
+def segs(fs: CrashFS) -> list[str]:
+    return sorted(os.path.join(D, n) for n in fs.listdir(D) if n.startswith("seg-"))
+
+
+def reference(n: int) -> Counter:
+    ref = Counter()
+    for s in range(1, n + 1):
+        _apply(ref, s, memoryview(CODEC.encode(batch(s))))
+    return ref
+
+
+def log_with_snapshot(fs: CrashFS, before: int = 40, after: int = 40) -> Journal:
+    j = write_log(fs, before, segment_bytes=1024)
+    j.write_snapshot(msgspec.msgpack.encode(reference(before)))
+    for s in range(before + 1, before + after + 1):
+        j.append(batch(s))
+    j.close()
+    return j
+
+
+def test_a_snapshot_ends_its_segment() -> None:
+    fs = CrashFS()
+    j = write_log(fs, 5)
+    j.write_snapshot(msgspec.msgpack.encode(reference(5)))
+    j.append(batch(6))
+    j.close()
+    hdr = SegmentHeader.parse(fs.read(segs(fs)[-1]))
+    snap = parse_snapshot(fs.read(os.path.join(D, snapshot_name(5))))
+    assert isinstance(hdr, SegmentHeader) and isinstance(snap, Snapshot)
+    assert (hdr.first_seq, hdr.prev_crc) == (6, snap.last_crc)
+    assert snapshot_segment(D, 1, fs) == hdr.segment_no == 2
+
+
+def test_recovery_reads_only_the_segments_after_the_snapshot() -> None:
+    fs = CountingFS()
+    log_with_snapshot(fs)
+    first = snapshot_segment(D, 1, fs)
+    covered = [p for p in segs(fs) if int(p[-12:-4]) < first]
+    assert len(covered) > 2 and len(segs(fs)) > len(covered) + 1
+    fs.full_reads.clear()
+    st, last = _recover(fs)
+    assert last == 80 and st == reference(80)
+    assert not any(fs.full_reads.get(p) for p in covered), fs.full_reads
+
+
+def test_damage_in_a_covered_segment_is_compacted_not_read() -> None:
+    fs = CrashFS()
+    j = log_with_snapshot(fs)
+    first = segs(fs)[0]
+    fs.files[first].durable[SEG_HEADER_SIZE + 30] ^= 0xFF  # a record the snapshot covers
+    st, last = _recover(fs)
+    assert last == 80 and st == reference(80)
+    j2 = Journal.open(D, CODEC, fs=fs)
+    assert j2.compact() > 0 and first not in segs(fs)
+    j2.close()
+    del j
+
+
+def test_an_unusable_newest_snapshot_falls_back_to_the_whole_log() -> None:
+    fs = CountingFS()
+    log_with_snapshot(fs)
+    # a well-formed snapshot at seq 80 that names the wrong CRC: not on this log's chain
+    path = os.path.join(D, snapshot_name(80))
+    f = fs.create(path)
+    f.write(pack_snapshot(1, 80, 0xDEADBEEF, msgspec.msgpack.encode(Counter(-1, -1))))
+    f.close()
+    fs.full_reads.clear()
+    st, last = _recover(fs)  # the older snapshot at 40 is used, from the whole log
+    assert last == 80 and st == reference(80)
+    assert fs.full_reads.get(segs(fs)[0])
+    fs.files[os.path.join(D, snapshot_name(40))].durable[-1] ^= 1  # now neither is usable
+    st, last = _recover(fs)
+    assert last == 80 and st == reference(80)
+    assert fs.full_reads.get(segs(fs)[0]), "the fallback must read the whole log"
+
+
+def test_damage_before_an_unusable_snapshot_is_still_refused() -> None:
+    fs = CrashFS()
+    log_with_snapshot(fs)
+    fs.files[segs(fs)[0]].durable[SEG_HEADER_SIZE + 30] ^= 0xFF
+    path = os.path.join(D, snapshot_name(40))  # well-formed, but off this log's chain
+    f = fs.create(path)
+    f.write(pack_snapshot(1, 40, 0xDEADBEEF, msgspec.msgpack.encode(reference(40))))
+    f.close()
+    with pytest.raises(JournalCorrupt, match="segment 1"):
+        Journal.open(D, CODEC, fs=fs)
+    with pytest.raises(JournalCorrupt, match="segment 1"):
+        _recover(fs)
+
+
+def test_a_snapshot_in_the_middle_of_a_segment_is_found_by_walking_it() -> None:
+    fs = CrashFS()
+    j = write_log(fs, 12)
+    j.write_snapshot(msgspec.msgpack.encode(reference(12)))
+    j.close()
+    for p in segs(fs)[1:]:  # the crash came before the snapshot's segment was ended
+        fs.remove(p)
+    j = Journal.open(D, CODEC, fs=fs)
+    for s in range(13, 16):
+        j.append(batch(s))
+    j.close()
+    st, last = _recover(fs)
+    assert last == 15 and st == reference(15)
+
+
+def test_without_a_usable_snapshot_a_compacted_log_is_refused() -> None:
+    fs = CrashFS()
+    j = log_with_snapshot(fs)
+    j2 = Journal.open(D, CODEC, fs=fs)
+    assert j2.compact() > 0
+    j2.close()
+    del j
+    for name in fs.listdir(D):
+        if name.startswith("snap-"):
+            fs.files[os.path.join(D, name)].durable[-1] ^= 1
+    with pytest.raises(JournalCorrupt, match="compacted"):
+        _recover(fs)
+
+
+def test_a_snapshot_whose_payload_does_not_decode_falls_back_to_the_whole_log() -> None:
+    fs = CountingFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    j.write_snapshot(b"not a Counter")  # on the chain, but the engine cannot load it
+    for s in range(41, 46):
+        j.append(batch(s))
+    j.close()
+    fs.full_reads.clear()
+    st, last = _recover(fs)
+    assert last == 45 and st == reference(45)
+    assert fs.full_reads.get(segs(fs)[0])
+
+
+def test_a_torn_tail_after_the_snapshot_is_cut_on_disk() -> None:
+    fs = CrashFS()
+    log_with_snapshot(fs)
+    last = segs(fs)[-1]
+    fs.files[last].durable = fs.files[last].durable[:-3]  # the last record is torn
+    torn = len(fs.read(last))
+    st, end = _recover(fs)
+    assert end == 79 and st == reference(79)
+    assert len(fs.read(last)) < torn, "recovery with repair=True must cut the torn bytes"
