@@ -4,7 +4,7 @@ Per round: ensure_mapped_many -> boundary (journal record + table-slice writes) 
 Prints ns per request-step for the batched path with the journal off and on (sync off), their
 ratio, and a per-sequence (unbatched) loop for comparison. Measures; asserts nothing.
 
-    python benchmarks/decode_round_bench.py [--seqs 256] [--rounds 4096]
+    python benchmarks/decode_round_bench.py [--seqs 256] [--rounds 4096] [--sweep]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from ninfer_kv.journal.log import SyncPolicy
 PROMPT = 100
 
 
-def open_store(seqs: int, rounds: int, journal_dir: str | None) -> tuple[KVStore, np.ndarray]:
+def open_store(seqs: int, rounds: int, journal_dir: str | None, max_context: int = 0
+               ) -> tuple[KVStore, np.ndarray]:
     ctx = PROMPT + rounds
-    serving = ServingConfig(max_context=ctx, max_concurrency=seqs)
+    serving = ServingConfig(max_context=max(ctx, max_context), max_concurrency=seqs)
     pages = seqs * -(-ctx // 64)
     cfg = StoreConfig(model=ModelGeometry(layers=1, kv_heads=1, head_dim=64),
                       serving=serving, kv_tokens=pages * 64, journal_dir=journal_dir,
@@ -65,11 +66,32 @@ def run_unbatched(store: KVStore, ids: np.ndarray, rounds: int) -> float:
     return time.perf_counter() - t0
 
 
+def max_context_sweep(seqs: int, pages: int = 32) -> None:
+    """The same 32-page decode under tables of 8k, 32k and 128k tokens (L = 128 .. 2048)."""
+    rounds = pages * 64 - PROMPT
+    cost = {}
+    for m in (8192, 32768, 131072):
+        best = float("inf")
+        for _ in range(3):
+            store, ids = open_store(seqs, rounds, None, max_context=m)
+            best = min(best, run_batched(store, ids, rounds) / (seqs * rounds))
+            store.check_invariants()
+        cost[m] = best
+        print(f"max_context {m:>6} (L={m // 64:>4}), {pages}-page context: "
+              f"{best * 1e9:6.0f} ns/request-step")
+    print(f"ratio 128k / 8k: {cost[131072] / cost[8192]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the max_context sweep (8k / 32k / 128k, same context)")
     a = ap.parse_args()
+    if a.sweep:
+        max_context_sweep(a.seqs)
+        return
     steps = a.seqs * a.rounds
     store, ids = open_store(a.seqs, a.rounds, None)
     t_off = run_batched(store, ids, a.rounds)

@@ -21,7 +21,7 @@ from ninfer_kv.engine import host, restart
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import CapacityPlan
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
-from ninfer_kv.engine.device import UNMAPPED, DeviceState
+from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.lock import DirLock
 from ninfer_kv.engine.opening import open_store
@@ -237,8 +237,7 @@ class StoreCore:
                 continue
             pages = self.state.pools[pool].pages
             ids = [pages[s].device for s in sp.members[start:]]  # type: ignore[union-attr]
-            ids.extend([UNMAPPED] * (self.plan.L - start - len(ids)))  # no stale entries
-            self.device.write_table(pool, sp.row, start, ids)
+            self.device.write_table(pool, sp.row, start, ids)  # unmaps what it mapped after
         self._touched.clear()
         durable = False
         if self._transfers:

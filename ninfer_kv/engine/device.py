@@ -7,8 +7,10 @@ Every tensor is allocated once at open; base addresses never change for the stor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ninfer_kv.engine.layout import PoolGeometry
@@ -19,9 +21,15 @@ UNMAPPED = -1
 
 @dataclass(slots=True)
 class PoolDevice:
+    """``host_tables`` is the host image of ``block_tables`` (the same memory when the device
+    is the CPU). Invariant: every entry of row r at or beyond ``published[r]`` is UNMAPPED, so
+    a write touches only the entries that change, whatever the table width L."""
+
     geometry: PoolGeometry
     planes: list[dict[str, torch.Tensor]]  # per layer: {"k_code": t, "k_scale": t, ...}
     block_tables: torch.Tensor             # int32 [C, L]: row r = one contiguous slice
+    host_tables: np.ndarray                # int32 [C, L]
+    published: np.ndarray                  # int64 [C]: entries [0, published[r]) may be mapped
 
 
 class DeviceState:
@@ -35,15 +43,26 @@ class DeviceState:
                 for layer in range(g.layers):
                     planes.append({key: torch.zeros(g.shape(p), dtype=p.dtype, device=self.device)
                                    for key, p in g.layer_planes(layer).items()})
-            tables = torch.full((rows, logical_pages), UNMAPPED, dtype=torch.int32,
-                                device=self.device)
-            self.pools[name] = PoolDevice(g, planes, tables)
+            host = np.full((rows, logical_pages), UNMAPPED, dtype=np.int32)
+            tables = (torch.from_numpy(host) if self.device.type == "cpu"
+                      else torch.from_numpy(host).to(self.device))
+            self.pools[name] = PoolDevice(g, planes, tables, host, np.zeros(rows, np.int64))
 
-    def write_table(self, pool: str, row: int, start: int, ids: list[int]) -> None:
-        """One contiguous slice write into the fixed-address table (spec §13)."""
-        if ids:
-            src = torch.tensor(ids, dtype=torch.int32)
-            self.pools[pool].block_tables[row, start:start + len(ids)].copy_(src, non_blocking=True)
+    def write_table(self, pool: str, row: int, start: int, ids: Sequence[int] | np.ndarray
+                    ) -> None:
+        """Publish ``ids`` at entries ``[start, start + len(ids))`` of ``row`` and unmap the
+        entries after them that an earlier write had mapped: one contiguous slice write into
+        the fixed-address table (spec §13), as long as what changed, not as long as L."""
+        pd = self.pools[pool]
+        end = start + len(ids)
+        hi = max(end, int(pd.published[row]))
+        t = pd.host_tables[row]
+        t[start:end] = ids
+        t[end:hi] = UNMAPPED
+        pd.published[row] = end
+        if self.device.type != "cpu" and hi > start:
+            pd.block_tables[row, start:hi].copy_(torch.from_numpy(t[start:hi]),
+                                                 non_blocking=True)
 
     def planes(self, pool: str) -> list[torch.Tensor]:
         """Every plane of every layer of a pool (the page group's payload)."""
