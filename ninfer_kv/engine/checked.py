@@ -18,13 +18,13 @@ from ninfer_kv.engine.layout import P
 from ninfer_kv.errors import InvalidArgument, WritePermissionError
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 
 class WriteGuard:
     __slots__ = ("_store", "_pool")
 
-    def __init__(self, store: KVStore, pool: str) -> None:
+    def __init__(self, store: Txn, pool: str) -> None:
         self._store = store
         self._pool = pool
 

@@ -35,13 +35,13 @@ from ninfer_kv.errors import (
 from ninfer_kv.journal import events as ev
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
 """The eight activation steps of spec §7.3, in order (fault-injection labels)."""
 
 
-def activate_from(store: KVStore, checkpoint: int, frontier: int | Mapping[str, int],
+def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int],
                   prompt_tokens: int, max_output_tokens: int, mode: str = "auto",
                   keep_source: bool = True) -> int:
     st = store.state

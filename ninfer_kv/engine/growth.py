@@ -22,7 +22,7 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class GrowResult:
     """seq -> token frontier its entitlement covers; end these with reason ``length``."""
 
 
-def grow(store: KVStore, step_tokens: int = 1) -> GrowResult:
+def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
     step_tokens = as_int("step_tokens", step_tokens, lo=1)
     cfg = store.config
     st = store.state

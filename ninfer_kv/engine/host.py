@@ -32,7 +32,7 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack, pack_i64, pack_u32
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 log = structlog.get_logger(__name__)
 
@@ -66,14 +66,14 @@ def can_drop_device(pg: LogicalKVPage) -> bool:
             and replica_valid(pg, pg.committed))
 
 
-def _checkpoint(store: KVStore, checkpoint: int) -> list[str]:
+def _checkpoint(store: Txn, checkpoint: int) -> list[str]:
     b = store.state.bundles.get(checkpoint)
     if b is None or b.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
     return list(b.pools)
 
 
-def _select(store: KVStore, checkpoint: int, keep: Callable[[LogicalKVPage], bool]
+def _select(store: Txn, checkpoint: int, keep: Callable[[LogicalKVPage], bool]
             ) -> list[tuple[str, list[int]]]:
     """(pool, slots) of an inactive checkpoint's pages that ``keep`` accepts."""
     st = store.state
@@ -93,7 +93,7 @@ def transfer_queued(st: StoreState, pool: str, pg: LogicalKVPage) -> bool:
     return pg.pins > st.copy_pins.get((pool, pg.slot), 0)
 
 
-def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
+def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
     """Queue D2H copies of every page of an inactive checkpoint that lacks a valid host
     replica. Plans every extent of the recipe before emitting anything. Returns the number
     of pages queued (0: already fully offloaded)."""
@@ -130,7 +130,7 @@ def offload(store: KVStore, checkpoint: int, drop_device: bool = False) -> int:
     return len(sizes)
 
 
-def drop_device(store: KVStore, checkpoint: int) -> int:
+def drop_device(store: Txn, checkpoint: int) -> int:
     """Drop the device replicas of a checkpoint's pages that ``can_drop_device`` allows; their
     page groups return to the pool. A page whose D2H copy is still queued (offload before this
     boundary) drops when that copy publishes, by the same rule then. Returns the pages
@@ -148,7 +148,7 @@ def drop_device(store: KVStore, checkpoint: int) -> int:
     return sum(len(slots) for _, slots in sel) + scheduled
 
 
-def drop_host(store: KVStore, checkpoint: int) -> int:
+def drop_host(store: Txn, checkpoint: int) -> int:
     """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
     host arena extents; the checkpoint stays device-resident). Returns pages dropped."""
     sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE
@@ -180,7 +180,7 @@ def runs(ids: list[int]) -> int:
     return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
 
 
-def run_transfers(store: KVStore, transfers: list[Transfer]) -> list[ev.HostPublish]:
+def run_transfers(store: Txn, transfers: list[Transfer]) -> list[ev.HostPublish]:
     """Run queued D2H copies; return the publish events (verified) to journal next. The
     caller applies them, then asks :func:`drops_after_publish` which replicas to drop."""
     from ninfer_kv.kernels.copy import pack_pages
@@ -222,7 +222,7 @@ def run_transfers(store: KVStore, transfers: list[Transfer]) -> list[ev.HostPubl
     return out
 
 
-def drops_after_publish(store: KVStore, transfers: list[Transfer]) -> list[ev.DeviceDrop]:
+def drops_after_publish(store: Txn, transfers: list[Transfer]) -> list[ev.DeviceDrop]:
     """DeviceDrop events for the transfers' ``drop`` slots, by ``can_drop_device`` evaluated
     now (after the publish was applied): a page an active fork maps meanwhile is kept."""
     out = []
@@ -235,7 +235,7 @@ def drops_after_publish(store: KVStore, transfers: list[Transfer]) -> list[ev.De
     return out
 
 
-def restore_pages(store: KVStore, restores: list[ev.DeviceRestore]) -> None:
+def restore_pages(store: Txn, restores: list[ev.DeviceRestore]) -> None:
     """H2D for DeviceRestore events: unpack host pages into their new device page groups."""
     from ninfer_kv.kernels.copy import unpack_pages
 
@@ -256,7 +256,7 @@ def restore_pages(store: KVStore, restores: list[ev.DeviceRestore]) -> None:
         store.stats["h2d_pages"] += len(ev.unpack(r.pages))
 
 
-def verify_checkpoint(store: KVStore, bundle: int) -> str | None:
+def verify_checkpoint(store: Txn, bundle: int) -> str | None:
     """Recompute every host page's CRC from the arena; None when all match."""
     st = store.state
     arena = store.arena

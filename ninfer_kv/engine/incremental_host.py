@@ -19,7 +19,7 @@ first offset (§5.3: reserve destination -> copy -> verify -> publish -> release
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sortedcontainers import SortedDict
 
@@ -28,8 +28,11 @@ from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import unpack, unpack_i64
 
-if TYPE_CHECKING:
-    from ninfer_kv.engine.incremental_index import PoolMirror
+
+class PoolMirror(Protocol):
+    """What this module reads of incremental_index.PoolMirror (no import back to it)."""
+
+    pend: dict[int, int]  # slot -> pending host transfers
 
 Owner = tuple[str, int, bool]
 """(pool, slot, pending): a pending transfer's destination or a published replica."""

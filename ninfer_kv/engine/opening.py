@@ -41,7 +41,7 @@ from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.recovery import recover_state
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 ARENA_NAME = "host_arena.bin"
 T = TypeVar("T")
@@ -88,7 +88,12 @@ def _check_dir(name: str, path: str) -> None:
         raise ConfigError(f"{name}={path!r} exists and is not a directory")
 
 
-def open_store(cls: type[KVStore], config: StoreConfig | None) -> KVStore:
+S = TypeVar("S", bound="Txn")
+
+
+def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
+    """Open ``cls(config, plan, state, journal, locks, device)`` (a ``StoreCore`` subclass)
+    in the order the module docstring gives."""
     config = StoreConfig() if config is None else config
     if not isinstance(config, StoreConfig):
         raise InvalidArgument(f"config must be a StoreConfig, not {type(config).__name__}")

@@ -20,12 +20,12 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
 
 if TYPE_CHECKING:
-    from ninfer_kv.engine.store import KVStore
+    from ninfer_kv.engine.txn import Txn
 
 log = structlog.get_logger(__name__)
 
 
-def recover_cleanup(store: KVStore) -> None:
+def recover_cleanup(store: Txn) -> None:
     """Device contents do not survive a restart. Abort unpublished host destinations and
     active sequences; keep an inactive checkpoint only when every page has a published,
     epoch-matching host replica whose bytes still match their checksum; drop the device

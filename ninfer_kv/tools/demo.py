@@ -107,7 +107,7 @@ def demo(out: str, requests: int = 120, console: Console | None = None) -> dict[
     stats = dict(store.stats)
     store.close()
     rep = replay(journal, verify_every=500)
-    from ninfer_kv.tools.run_cmds import plot
+    from ninfer_kv.tools.timeline import plot
 
     plot(journal, png)
     result = {**res.to_dict(), "kernel": ks, "kernel_ok": ks["ok"], "live_digest": live,
