@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ninfer_kv.engine import core
 from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
 from ninfer_kv.engine.store import KVStore, StoreConfig
 from ninfer_kv.journal.log import SyncPolicy
@@ -22,14 +23,14 @@ from ninfer_kv.journal.log import SyncPolicy
 PROMPT = 100
 
 
-def open_store(seqs: int, rounds: int, journal_dir: str | None, max_context: int = 0
-               ) -> tuple[KVStore, np.ndarray]:
+def open_store(seqs: int, rounds: int, journal_dir: str | None, max_context: int = 0,
+               sync: SyncPolicy = SyncPolicy.OFF) -> tuple[KVStore, np.ndarray]:
     ctx = PROMPT + rounds
     serving = ServingConfig(max_context=max(ctx, max_context), max_concurrency=seqs)
     pages = seqs * -(-ctx // 64)
     cfg = StoreConfig(model=ModelGeometry(layers=1, kv_heads=1, head_dim=64),
                       serving=serving, kv_tokens=pages * 64, journal_dir=journal_dir,
-                      sync=SyncPolicy.OFF, allocate_planes=False)
+                      sync=sync, allocate_planes=False)
     store = KVStore.open(cfg)
     ids = np.array([store.activate(PROMPT, rounds) for _ in range(seqs)])
     store.ensure_mapped_many("main", ids, [PROMPT] * seqs)
@@ -102,6 +103,18 @@ def main() -> None:
         jbytes = store.journal.bytes_written if store.journal else 0
         store.check_invariants()
         store.close()
+    t_commit = {}
+    for every in (False, True):  # sync=commit: durable records only (now) / every record
+        saved = core.changes_what_survives
+        if every:
+            core.changes_what_survives = lambda events: True
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                store, ids = open_store(a.seqs, a.rounds // 8, d, sync=SyncPolicy.COMMIT)
+                t_commit[every] = run_batched(store, ids, a.rounds // 8)
+                store.close()
+        finally:
+            core.changes_what_survives = saved
     store, ids = open_store(a.seqs, a.rounds // 8, None)
     t_one = run_unbatched(store, ids, a.rounds // 8)
     print(f"C={a.seqs} sequences x {a.rounds} rounds = {steps:,} request-steps "
@@ -109,6 +122,12 @@ def main() -> None:
     print(f"batched, journal off        : {t_off / steps * 1e9:8.0f} ns/request-step")
     print(f"batched, journal on (sync=off): {t_on / steps * 1e9:8.0f} ns/request-step  "
           f"(ratio on/off {t_on / t_off:.2f}; {jbytes / steps:.1f} journal bytes/step)")
+    per8 = steps // 8
+    print(f"batched, journal on (sync=commit, durable records): "
+          f"{t_commit[False] / per8 * 1e9:8.0f} ns/request-step")
+    print(f"batched, journal on (sync=commit, every record)   : "
+          f"{t_commit[True] / per8 * 1e9:8.0f} ns/request-step  "
+          f"(ratio every/durable {t_commit[True] / t_commit[False]:.2f})")
     print(f"unbatched, journal off      : {t_one / (steps // 8) * 1e9:8.0f} ns/request-step  "
           f"(ratio unbatched/batched {t_one / (steps // 8) / (t_off / steps):.1f}x)")
 

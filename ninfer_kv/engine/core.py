@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
+SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
+                   ev.Move, ev.HostPublish, ev.HostAbort, ev.HostDrop)
+"""Events that change what a reopen keeps: the configuration, which checkpoints exist and
+which host replicas they have. Every other event touches only active sequences, which a
+reopen aborts, or device state, which never survives (README, "Durability contract")."""
+
+
+def changes_what_survives(events: list[Any]) -> bool:
+    """Whether a record must be fsynced under ``sync="commit"``."""
+    return any(isinstance(e, SURVIVAL_EVENTS) and not (isinstance(e, ev.Finish) and not e.retain)
+               for e in events)
+
+
 class StoreCore:
     """Lifecycle (open, close, snapshot, compact), fail-stop and the boundary. Not thread-safe
     (one engine loop). ``KVStore`` adds the commands."""
@@ -195,7 +208,8 @@ class StoreCore:
         seq = self.state.seq
         if self._pending:
             if self.journal is not None:
-                seq = self.journal.append(self._pending)
+                seq = self.journal.append(self._pending, durable=changes_what_survives(
+                    self._pending))
             else:
                 seq += 1
             self.state.seq = seq

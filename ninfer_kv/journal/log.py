@@ -48,7 +48,7 @@ log = structlog.get_logger(__name__)
 
 class SyncPolicy(enum.StrEnum):
     OFF = "off"            # write only: survives a process crash, not a power loss
-    COMMIT = "commit"      # fsync every record before append() returns
+    COMMIT = "commit"      # fsync every record marked durable before append() returns
     INTERVAL = "interval"  # fsync at most every interval_ms (checked at append), and on sync()
 
 
@@ -157,11 +157,14 @@ class Journal:
         return self._file
 
     # --- appends ----------------------------------------------------------------------------
-    def append(self, events: list[Any]) -> int:
-        """Append one record holding ``events``; returns its seq once the policy is met."""
-        return self.append_payload(self.codec.encode(events))
+    def append(self, events: list[Any], durable: bool = True) -> int:
+        """Append one record holding ``events``; returns its seq once the policy is met.
+        ``durable=False``: a record the writer does not need to survive a power loss (the
+        store's decode rounds); under ``commit`` it is not fsynced itself, but the next
+        durable record's fsync covers it (the log is sequential)."""
+        return self.append_payload(self.codec.encode(events), durable)
 
-    def append_payload(self, payload: bytes) -> int:
+    def append_payload(self, payload: bytes, durable: bool = True) -> int:
         f = self._check()
         if (self._seg_records and f.tell() + len(payload) + FRAME_OVERHEAD
                 > self.options.segment_bytes):
@@ -179,7 +182,7 @@ class Journal:
         self._seg_records += 1
         self.bytes_written += len(frame)
         policy = self.options.sync
-        if policy is SyncPolicy.COMMIT or (
+        if (policy is SyncPolicy.COMMIT and durable) or (
                 policy is SyncPolicy.INTERVAL
                 and (self._clock() - self._last_sync) * 1000.0 >= self.options.interval_ms):
             self.sync()
