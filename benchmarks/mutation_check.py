@@ -93,11 +93,11 @@ class Target:
 KIND_OPS: dict[str, tuple[str, ...]] = {"raise": ("raise",), "check": ("check",),
                                         "filter": ("select", "guard"), "recovery": ("guard",)}
 
-RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/continuation.py", "engine/host.py",
-                 "engine/growth.py", "engine/opening.py", "engine/checked.py", "engine/args.py",
-                 "engine/config.py", "engine/capacity.py", "engine/lock.py", "journal/log.py",
-                 "journal/recovery.py", "journal/reader.py", "kernels/checks.py",
-                 "kernels/append.py")
+RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
+                 "engine/continuation.py", "engine/host.py", "engine/growth.py",
+                 "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
+                 "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
+                 "journal/reader.py", "kernels/checks.py", "kernels/append.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -106,7 +106,7 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/host_arena.py", "check", ("ExtentAllocator.violations",)),
     Target("engine/host.py", "filter", ("can_drop_device", "replica_valid", "_select", "offload",
                                         "drop_device", "drop_host", "drops_after_publish")),
-    Target("engine/store.py", "filter", ("writable",)),
+    Target("engine/decode.py", "filter", ("writable",)),
     Target("engine/continuation.py", "filter", ("unrecoverable_reason",)),
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
@@ -188,10 +188,7 @@ EQUIVALENT: dict[str, str] = {
     "engine/restart.py:recover_cleanup:filter:not x.active -> True":
         "every active bundle was just aborted by Finish(retain=False), which deletes it, before "
         "this generator runs",
-    'engine/store.py:KVStore._space:raise:InactiveSpace "seq {} in pool {} is active, not a '
-    'checkpoint"':
-        "dead branch: no caller passes active=False",
-    "engine/store.py:writable:filter:pg.protected <= first_column -> True":
+    "engine/decode.py:writable:filter:pg.protected <= first_column -> True":
         "pg.writer == bundle implies pg.protected == 0: protected only rises in Finish(retain), "
         "which clears the writer in the same loop, and Move resets protected to 0",
     "engine/host.py:verify_checkpoint:recovery:arena is None -> False":

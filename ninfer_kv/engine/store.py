@@ -23,12 +23,13 @@ import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import continuation, growth, host
+from ninfer_kv.engine import continuation, decode, growth, host
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_int, as_ints, no_duplicates, same_length
+from ninfer_kv.engine.args import as_int, as_ints
 from ninfer_kv.engine.checked import WriteGuard
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
+from ninfer_kv.engine.decode import why_not_writable, writable
 from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
@@ -38,7 +39,6 @@ from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
-    EntitlementExceeded,
     FrontierError,
     InactiveSpace,
     InvalidArgument,
@@ -73,19 +73,9 @@ class KVStore(StoreCore):
             raise UnknownHandle(f"pool {pool!r} is not enabled; pools: {self.pools}")
         return p
 
-    def _space(self, bundle: int, pool: str | PoolKind, *, active: bool | None = None
+    def _space(self, bundle: int, pool: str | PoolKind, *, active: bool = False
                ) -> KVAddressSpace:
-        p = self._pool(pool)
-        bundle = as_int("seq", bundle)
-        sp = p.spaces.get(bundle)
-        if sp is None:
-            raise UnknownHandle(f"seq {bundle} has no address space in pool {p.name}")
-        if active is True and not sp.active:
-            raise InactiveSpace(f"seq {bundle} in pool {p.name} is an inactive checkpoint; "
-                                "only an active address space can map or commit")
-        if active is False and sp.active:
-            raise InactiveSpace(f"seq {bundle} in pool {p.name} is active, not a checkpoint")
-        return sp
+        return decode.lookup(self._pool(pool), as_int("seq", bundle), active=active)
 
     def space(self, bundle: int, pool: str | PoolKind = PoolKind.MAIN) -> KVAddressSpace:
         """Read-only access for callers and tests (do not mutate)."""
@@ -169,44 +159,9 @@ class KVStore(StoreCore):
 
     def ensure_mapped_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                            tokens: Sequence[int] | np.ndarray) -> int:
+        """Step 1 of a decode round (engine/decode.py). Returns the pages materialized."""
         self._usable("ensure_mapped")
-        p = self._pool(pool)
-        spaces = p.spaces
-        need_b: list[int] = []
-        need_n: list[int] = []
-        bundles, tokens = _batch(bundles, "seqs", tokens, "tokens")
-        limit = p.logical_pages
-        for b, t in zip(bundles, tokens, strict=True):
-            sp = spaces.get(b)
-            if sp is None or not sp.active:
-                self._space(b, p.name, active=True)  # raises the precise error
-            needed = (t + P - 1) // P
-            have = len(sp.members)  # type: ignore[union-attr]
-            if needed <= have and t >= 0:
-                continue
-            if t < 0 or needed > limit:
-                raise FrontierError(f"seq {b} pool {p.name}: tokens={t} outside [0, L*P="
-                                    f"{limit * P}]")
-            if needed > sp.entitlement:  # type: ignore[union-attr]
-                raise EntitlementExceeded(
-                    f"seq {b} pool {p.name} needs {needed} pages for {t} tokens, entitlement is "
-                    f"{sp.entitlement} (§8.1)")  # type: ignore[union-attr]
-            need_b.extend([b] * (needed - have))
-            need_n.append(have)
-        if not need_b:
-            return 0
-        slots = p.pick_slots(len(need_b))
-        pages = p.pick_pages(len(need_b))
-        self._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
-        prev = None
-        i = 0
-        for b in need_b:
-            if b != prev:
-                self._touch(p.name, b, need_n[i])
-                i += 1
-                prev = b
-        self.stats["materialized"] += len(need_b)
-        return len(need_b)
+        return decode.ensure_mapped_many(self, self._pool(pool), bundles, tokens)
 
     # --- frontiers (§8.1, §8.2) ------------------------------------------------------------------
     def commit(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
@@ -214,42 +169,10 @@ class KVStore(StoreCore):
 
     def commit_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                     frontiers: Sequence[int] | np.ndarray) -> None:
-        """Advance committed frontiers after the unit succeeded; one event for the batch."""
+        """Step 3 of a decode round (engine/decode.py): advance committed frontiers after the
+        unit succeeded; one event for the batch."""
         self._usable("commit")
-        p = self._pool(pool)
-        spaces, pages = p.spaces, p.pages
-        bl, fl = _batch(bundles, "seqs", frontiers, "frontiers")
-        if not bl:
-            return
-        for b, f in zip(bl, fl, strict=True):
-            sp = spaces.get(b)
-            if sp is None or not sp.active:
-                self._space(b, p.name, active=True)
-            members = sp.members  # type: ignore[union-attr]
-            old = sp.committed  # type: ignore[union-attr]
-            if f < old or f > len(members) * P:
-                raise FrontierError(
-                    f"seq {b} pool {p.name}: commit frontier {f} outside [committed={old}, "
-                    f"membership={len(members) * P}] (use truncate to move back)")
-            # write permission (§9.4) of every block the new columns land in; a decode step
-            # touches one block, so that case is checked without a loop
-            lo, hi = old // P, (f + P - 1) // P
-            if hi - lo == 1:
-                if not writable(pages[members[lo]], b, old - lo * P):  # type: ignore[arg-type]
-                    raise WritePermissionError(self._why_not_writable(p, b, lo))
-            else:
-                for blk in range(lo, hi):
-                    first = old - blk * P if blk == lo else 0  # first column written here
-                    if not writable(pages[members[blk]], b, first):  # type: ignore[arg-type]
-                        raise WritePermissionError(self._why_not_writable(p, b, blk))
-        self._emit(ev.CommitFrontiers(p.name, pack(bl), pack(fl)))
-
-    def _why_not_writable(self, p: PoolState, bundle: int, block: int) -> str:
-        pg = p.pages[p.spaces[bundle].members[block]]
-        assert pg is not None
-        return (f"seq {bundle} pool {p.name} block {block} (page {p.name}:{pg.slot}): writer="
-                f"{pg.writer}, refs={pg.refs}, protected={pg.protected}, pins={pg.pins}, epoch="
-                f"{pg.epoch}: only the single private writer may write (§9.4)")
+        decode.commit_many(self, self._pool(pool), bundles, frontiers)
 
     def set_provisional(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         self.set_provisional_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
@@ -257,15 +180,7 @@ class KVStore(StoreCore):
     def set_provisional_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                              frontiers: Sequence[int] | np.ndarray) -> None:
         self._usable("set_provisional")
-        p = self._pool(pool)
-        bl, fl = _batch(bundles, "seqs", frontiers, "frontiers")
-        for b, f in zip(bl, fl, strict=True):
-            sp = self._space(b, p.name, active=True)
-            if not 0 <= f <= len(sp.members) * P:
-                raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} outside "
-                                    f"[0, membership {len(sp.members) * P}]")
-        if bl:
-            self._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))
+        decode.set_provisional_many(self, self._pool(pool), bundles, frontiers)
 
     def trim(self, bundle: int, pool: str | PoolKind) -> int:
         """Unmap trailing pages: NeededPages = ceil(max(committed, provisional) / P) (§8.2).
@@ -286,7 +201,7 @@ class KVStore(StoreCore):
         for blk in range(start, len(sp.members)):
             pg = p.pages[sp.members[blk]]
             if pg is None or pg.refs != 1 or pg.pins:
-                raise WritePermissionError(self._why_not_writable(p, sp.bundle, blk))
+                raise WritePermissionError(why_not_writable(p, sp.bundle, blk))
 
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         """Move the committed frontier back (not below the protected frontier), then trim.
@@ -302,7 +217,7 @@ class KVStore(StoreCore):
                                 f"[protected={sp.protected}, committed={sp.committed}]")
         if frontier % P and frontier < sp.committed:
             if not writable(p.pages[sp.members[frontier // P]], bundle, frontier % P):  # type: ignore[arg-type]
-                raise WritePermissionError(self._why_not_writable(p, bundle, frontier // P))
+                raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
         keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
         self._check_private(p, sp, keep)
         events: list[Any] = [ev.Truncate(bundle, p.name, frontier)]
@@ -450,22 +365,6 @@ class KVStore(StoreCore):
         return {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
                     "available": p.available, "rows_leased": len(p.row_owner)}
                 for n, p in self.state.pools.items()}
-
-
-def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
-    """§9.4 write permission, the one rule commit and truncate share: ``bundle`` is the
-    page's single writer, no pin holds it (no queued copy reads it) and no surviving
-    checkpoint protects a column at or above ``first_column``."""
-    return pg.writer == bundle and pg.pins == 0 and pg.protected <= first_column
-
-
-def _batch(bundles: Sequence[int] | np.ndarray, bname: str, values: Sequence[int] | np.ndarray,
-           vname: str) -> tuple[list[int], list[int]]:
-    """Normalized batched arguments: plain ints, equal lengths, no duplicate sequence."""
-    bl, vl = as_ints(bname, bundles), as_ints(vname, values)
-    same_length(**{bname: bl, vname: vl})
-    no_duplicates(bname, bl)
-    return bl, vl
 
 
 __all__ = ["NO_PAGE", "InvariantViolation", "KVStore", "RecoveryReport", "StoreConfig"]

@@ -106,10 +106,10 @@ def test_discovery_finds_every_kind_in_the_package() -> None:
     assert {m.kind for m in ms} == {"raise", "check", "filter", "recovery"}
     assert len(ids) == len(ms)
     for want in ("engine/host.py:can_drop_device:filter:pg.pins == 0 -> True",
-                 "engine/store.py:writable:filter:pg.writer == bundle -> True",
+                 "engine/decode.py:writable:filter:pg.writer == bundle -> True",
                  "journal/recovery.py:usable_snapshots:recovery:snap.seq != seq -> False"):
         assert want in ids
-    assert any(i.startswith("engine/store.py:KVStore.commit_many:raise:FrontierError") for i in ids)
+    assert any(i.startswith("engine/decode.py:commit_many:raise:FrontierError") for i in ids)
     assert any(i.startswith("engine/invariants.py:_pool_violations:check:") for i in ids)
     assert mc.tests_for("engine/store.py", 1) and mc.tests_for("journal/log.py", 2)
     assert not set(mc.tests_for("engine/store.py", 1)) & mc.SLOW
