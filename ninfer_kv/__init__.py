@@ -32,6 +32,11 @@ _EXPORTS = {
     "PoolKind": "ninfer_kv.engine.layout",
     "ModelGeometry": "ninfer_kv.engine.capacity",
     "ServingConfig": "ninfer_kv.engine.capacity",
+    # kernels an engine calls around a GPU unit (shapes in their modules' docstrings)
+    "append_kv": "ninfer_kv.kernels.append",
+    "paged_decode": "ninfer_kv.kernels.attention",
+    "paged_prefill": "ninfer_kv.kernels.attention",
+    "warmup": "ninfer_kv.kernels.warmup",
 }
 
 __all__ = sorted(_EXPORTS)

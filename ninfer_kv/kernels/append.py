@@ -19,7 +19,7 @@ from numba import cuda
 
 from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.errors import InvalidArgument
-from ninfer_kv.kernels import quant
+from ninfer_kv.kernels import jit, quant
 from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
 from ninfer_kv.kernels.checks import check_index, check_mapped, check_values, check_view
 from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
@@ -36,7 +36,7 @@ def side_codecs(storage: Any) -> tuple[int, int]:
     return CODEC_IDS[k.value], CODEC_IDS[v.value]
 
 
-@numba.njit(parallel=True, cache=False)
+@jit.njit(parallel=True)
 def _append_cpu(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v):  # noqa: ANN001
     n_tok, n_heads, d = k.shape
     for i in numba.prange(n_tok * n_heads):

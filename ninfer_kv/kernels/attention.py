@@ -26,7 +26,7 @@ import torch
 from numba import cuda, float32
 
 from ninfer_kv.errors import InvalidArgument
-from ninfer_kv.kernels import codecs, quant
+from ninfer_kv.kernels import codecs, jit, quant
 from ninfer_kv.kernels.append import page_major, side_codecs
 from ninfer_kv.kernels.backend import (
     MAXD,
@@ -45,7 +45,7 @@ from ninfer_kv.kernels.checks import check_index, check_read_domain, check_value
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=False)
+@jit.njit(parallel=True, fastmath=True)
 def _decode_cpu(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
                 n_split, out_m, out_l, out_acc):
     n_rows, hq, d = q.shape

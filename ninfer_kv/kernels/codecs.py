@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
-import numba
 import numpy as np
+
+from ninfer_kv.kernels import jit
 
 CODEC_VERSION = 1
 
@@ -179,7 +180,7 @@ def _compile_all(decorator, name: str) -> ModuleType:
     return ns
 
 
-CPU = _compile_all(numba.njit(cache=False), "cpu")
+CPU = _compile_all(jit.njit(), "cpu")
 
 
 def _gpu() -> ModuleType:

@@ -24,6 +24,7 @@ import torch
 from numba import cuda
 
 from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.kernels import jit
 from ninfer_kv.kernels.backend import dev_view, launch, use_cuda_kernels
 
 
@@ -42,7 +43,7 @@ def row_bytes(t: torch.Tensor) -> int:
     return t.shape[2] * t.shape[3] * t.element_size()
 
 
-@numba.njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
     n = src_ids.shape[0]
     outer, mid = src.shape[0], src.shape[2]

@@ -1,0 +1,60 @@
+"""CPU kernels compile once per machine, not once per process: ``njit`` here is numba's with
+``cache=True`` into a directory of our own.
+
+Where: ``$NINFER_KV_JIT_CACHE`` if set, else ``$XDG_CACHE_HOME/ninfer-kv/numba`` (default
+``~/.cache``), then a subdirectory named by a hash of every ``ninfer_kv/kernels/*.py`` source
+and the numba and llvmlite versions. The hash matters: numba checks only the timestamp of the
+file that *defines* a cached function, while our kernels inline codecs and quantizers from
+other modules — a change to ``codecs.py`` would otherwise leave a kernel's stale machine code
+in use. numba keys entries by CPU model itself.
+
+The directory is set on ``numba.config.CACHE_DIR`` only while our functions are decorated
+(numba reads it then), so an application's own cached numba functions stay where it put them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import llvmlite
+import numba
+from numba.core import config
+
+KERNELS = Path(__file__).parent
+
+
+@functools.cache
+def cache_dir() -> str:
+    """The directory this version of the kernels caches compiled code in."""
+    base = os.environ.get("NINFER_KV_JIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"),
+        "ninfer-kv", "numba")
+    h = hashlib.sha256(f"numba {numba.__version__} llvmlite {llvmlite.__version__}".encode())
+    for src in sorted(KERNELS.glob("*.py")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return os.path.join(base, h.hexdigest()[:16])
+
+
+@contextlib.contextmanager
+def _caching_here() -> Iterator[None]:
+    saved = config.CACHE_DIR
+    config.CACHE_DIR = cache_dir()
+    try:
+        yield
+    finally:
+        config.CACHE_DIR = saved
+
+
+def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit(cache=True, **options)`` caching in :func:`cache_dir`."""
+    def decorate(fn: Callable[..., Any]) -> Any:
+        with _caching_here():
+            return numba.njit(cache=True, **options)(fn)
+    return decorate

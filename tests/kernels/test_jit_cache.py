@@ -1,0 +1,97 @@
+"""Compiled CPU kernels are cached on disk (kernels/jit.py): a second process loads them
+instead of compiling; the cache is keyed by the kernel sources; an application's own numba
+cache directory is left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from numba.core import config
+
+from ninfer_kv.kernels import jit
+
+CHILD = """
+import json, torch
+from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.kernels import copy
+planes = [torch.zeros(2, 1, 64, 8, dtype=torch.uint8)]  # 2 pages, 1 head
+copy.copy_tail(planes, PlaneOrder.PAGE_MAJOR, 0, 1, 3)
+st = copy._copy_cpu.stats
+print(json.dumps({"hits": sum(st.cache_hits.values()), "misses": sum(st.cache_misses.values()),
+                  "path": st.cache_path}))
+"""
+
+
+def run_child(cache: Path) -> dict:
+    env = {**os.environ, "NINFER_KV_JIT_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_compiled_kernel(tmp_path: Path) -> None:
+    first = run_child(tmp_path)
+    second = run_child(tmp_path)
+    assert first["path"].startswith(str(tmp_path)) and first["path"] == second["path"]
+    assert (first["hits"], first["misses"]) == (0, 1)  # compiled and stored
+    assert (second["hits"], second["misses"]) == (1, 0)  # loaded, not compiled
+
+
+def test_the_cache_is_keyed_by_the_kernel_sources(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "kernels"
+    shutil.copytree(jit.KERNELS, src, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("NINFER_KV_JIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit, "KERNELS", src)
+    jit.cache_dir.cache_clear()
+    try:
+        before = jit.cache_dir()
+        with (src / "codecs.py").open("a") as f:  # a module the kernels inline from
+            f.write("\n# changed\n")
+        jit.cache_dir.cache_clear()
+        after = jit.cache_dir()
+    finally:
+        jit.cache_dir.cache_clear()
+    assert before != after
+    assert os.path.dirname(before) == os.path.dirname(after) == str(tmp_path / "cache")
+
+
+def test_the_applications_numba_cache_dir_is_left_alone() -> None:
+    saved = config.CACHE_DIR
+
+    def f(x: int) -> int:
+        return x + 1
+
+    g = jit.njit()(f)
+    assert config.CACHE_DIR == saved
+    assert g._cache._cache_path.startswith(jit.cache_dir())
+
+
+def test_the_kernels_and_warmup_are_exported() -> None:
+    import importlib
+
+    import ninfer_kv
+
+    for name in ("append_kv", "paged_decode", "paged_prefill", "warmup", "KVStore"):
+        mod = importlib.import_module(ninfer_kv._EXPORTS[name])
+        assert getattr(ninfer_kv, name) is getattr(mod, name)
+        assert name in ninfer_kv.__all__
+
+
+def test_warmup_runs_every_kernel_of_a_profile() -> None:
+    """In a fresh process (kernels compiled by other tests here would hide a gap)."""
+    code = ("import json, ninfer_kv\n"
+            "from ninfer_kv.kernels import append, attention, copy\n"
+            "s = ninfer_kv.warmup(['bf16'])\n"
+            "print(json.dumps([list(s), [len(k.signatures) for k in "
+            "(append._append_cpu, attention._decode_cpu, copy._copy_cpu)]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True)
+    profiles, compiled = json.loads(out.stdout.strip().splitlines()[-1])
+    assert profiles == ["bf16"] and all(n >= 1 for n in compiled), compiled
