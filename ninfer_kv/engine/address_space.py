@@ -41,7 +41,7 @@ class KVAddressSpace:
 class SequenceKVBundle:
     """Main space + the selected backend space, activated and finished together (§7.1)."""
 
-    __slots__ = ("id", "active", "pools", "finish_reason", "parent", "budget")
+    __slots__ = ("id", "active", "pools", "finish_reason", "parent", "budget", "meta")
 
     def __init__(self, bundle_id: int, pools: tuple[str, ...]) -> None:
         self.id = bundle_id
@@ -50,6 +50,8 @@ class SequenceKVBundle:
         self.finish_reason = ""
         self.parent = -1          # checkpoint it was continued from, if any
         self.budget = 0           # prompt + output budget in tokens
+        self.meta = b""           # the engine's metadata (msgpack bytes, SetMetadata)
 
     def as_tuple(self) -> tuple:
-        return (self.id, self.active, self.pools, self.finish_reason, self.parent, self.budget)
+        t = (self.id, self.active, self.pools, self.finish_reason, self.parent, self.budget)
+        return (*t, self.meta) if self.meta else t  # no metadata: the digest of schema <= 1.4

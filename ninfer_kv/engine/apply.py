@@ -392,6 +392,10 @@ def _unpin(st: StoreState, e: ev.Unpin) -> None:
         _maybe_free(st, pool, page)
 
 
+def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:
+    st.bundles[e.bundle].meta = bytes(e.meta)
+
+
 def _recovered(st: StoreState, e: ev.Recovered) -> None:
     """A marker for tools; the state changes follow as ordinary events."""
 
@@ -421,4 +425,5 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.DeviceRestore: _device_restore,
     ev.Pin: _pin,
     ev.Unpin: _unpin,
+    ev.SetMetadata: _set_metadata,
 }

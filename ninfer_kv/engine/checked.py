@@ -22,11 +22,16 @@ if TYPE_CHECKING:
 
 
 class WriteGuard:
-    __slots__ = ("_store", "_pool")
+    """The guard of one (pool, layer) view. Every position it lets through is recorded in
+    ``store._written[(pool, seq, layer)]`` so that a checked ``commit`` can require every
+    committed token to have been written in every layer (``check_commit``)."""
 
-    def __init__(self, store: Txn, pool: str) -> None:
+    __slots__ = ("_store", "_pool", "_layer")
+
+    def __init__(self, store: Txn, pool: str, layer: int) -> None:
         self._store = store
         self._pool = pool
+        self._layer = layer
 
     def __call__(self, table_rows: torch.Tensor, positions: torch.Tensor) -> None:
         p = self._store.state.pools[self._pool]
@@ -67,3 +72,40 @@ class WriteGuard:
                     f"checked write: seq {b} pool {p.name} position {x} lands in page "
                     f"{p.name}:{pg.slot} (writer={pg.writer}, pins={pg.pins}, protected="
                     f"{pg.protected}): only its single unpinned writer may write (§9.4)")
+        written = self._store._written
+        for r, x in zip(rows, pos, strict=True):  # every write was allowed: record them
+            written.setdefault((self._pool, p.row_owner[r], self._layer), set()).add(x)
+
+
+def check_commit(store: Txn, pool: str, bundles: list[int], frontiers: list[int]) -> None:
+    """Checked mode: a commit may only cover tokens its sequence wrote, in every layer of the
+    pool, through a guarded view (``commit`` otherwise trusts the caller, §8.1). Forgets what
+    the commit covers."""
+    p = store.state.pools[pool]
+    layers = store.device.pools[pool].geometry.layers
+    written = store._written
+    for b, f in zip(bundles, frontiers, strict=True):
+        old = p.spaces[b].committed
+        for layer in range(layers):
+            have = written.get((pool, b, layer), set())
+            missing = [x for x in range(old, f) if x not in have]
+            if missing:
+                raise WritePermissionError(
+                    f"checked commit: seq {b} pool {pool} commits [{old}, {f}) but layer "
+                    f"{layer} never wrote {len(missing)} of those tokens (first: {missing[0]}); "
+                    "append_kv every layer before commit (§8.1)")
+    for b, f in zip(bundles, frontiers, strict=True):
+        for layer in range(layers):
+            have = written.get((pool, b, layer))
+            if have:
+                have.difference_update([x for x in have if x < f])
+
+
+def forget(store: Txn, pool: str, bundle: int, frontier: int = 0) -> None:
+    """Writes at or above ``frontier`` no longer count (truncate, finish)."""
+    for key in [k for k in store._written if k[0] == pool and k[1] == bundle]:
+        if frontier:
+            store._written[key].difference_update(
+                [x for x in store._written[key] if x >= frontier])
+        else:
+            del store._written[key]

@@ -38,9 +38,9 @@ log = structlog.get_logger(__name__)
 
 
 SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
-                   ev.Move, ev.HostPublish, ev.HostAbort, ev.HostDrop)
-"""Events that change what a reopen keeps: the configuration, which checkpoints exist and
-which host replicas they have. Every other event touches only active sequences, which a
+                   ev.Move, ev.HostPublish, ev.HostAbort, ev.HostDrop, ev.SetMetadata)
+"""Events that change what a reopen keeps: the configuration, which checkpoints exist, their
+metadata and which host replicas they have. Every other event touches only active sequences, which a
 reopen aborts, or device state, which never survives (README, "Durability contract")."""
 
 
@@ -69,6 +69,7 @@ class StoreCore:
         # reused within one record must be read by an earlier copy before it is overwritten)
         self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
         self._touched: dict[tuple[str, int], int] = {}  # (pool, bundle) -> first block to publish
+        self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
         self.arena: HostArenaBuffer | None = None
         self._frozen = False

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_ints, no_duplicates, same_length
 from ninfer_kv.engine.layout import P
@@ -147,6 +148,8 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                 first = old - blk * P if blk == lo else 0  # first column written here
                 if not writable(pages[members[blk]], b, first):  # type: ignore[arg-type]
                     raise WritePermissionError(why_not_writable(p, b, blk))
+    if tx.config.checked and tx.config.allocate_planes:
+        checked.check_commit(tx, p.name, bl, fl)
     tx._emit(ev.CommitFrontiers(p.name, pack(bl), pack(fl)))
 
 

@@ -350,4 +350,5 @@ _HANDLERS: dict[type, Callable[[IncrementalChecker, Any, list[str]], None]] = {
         e.pool, unpack(e.slots).tolist(), out),
     ev.Pin: lambda self, e, out: self._pins(e, out),
     ev.Unpin: lambda self, e, out: self._pins(e, out),
+    ev.SetMetadata: lambda self, e, out: self._bundle(e.bundle, out),
 }

@@ -155,5 +155,6 @@ def decode_state(data: bytes) -> StoreState:
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]
+        b.meta = bytes(t[6]) if len(t) > 6 else b""
         st.bundles[b.id] = b
     return st

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import continuation, decode, growth, host
+from ninfer_kv.engine import checked, continuation, decode, growth, host, info
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_int, as_ints
-from ninfer_kv.engine.checked import WriteGuard
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
 from ninfer_kv.engine.decode import why_not_writable, writable
@@ -225,6 +225,7 @@ class KVStore(StoreCore):
             events.append(ev.Trim(bundle, p.name, keep))
             self._touch(p.name, bundle, keep)
         self._emit(*events)
+        checked.forget(self, p.name, bundle, frontier)  # the tail must be written again
 
     # --- termination (§8.3) -----------------------------------------------------------------------
     def finish(self, bundle: int, retain: bool = False, reason: str = "stop") -> int | None:
@@ -253,6 +254,8 @@ class KVStore(StoreCore):
                 events.append(ev.Trim(bundle, pool, keep))
             events.append(ev.Finish(bundle, pool, retain, reason))
         self._emit(*events)
+        for pool in b.pools:
+            checked.forget(self, pool, bundle)
         return bundle if retain else None
 
     def release(self, checkpoint: int) -> None:
@@ -264,6 +267,38 @@ class KVStore(StoreCore):
         if b is None or b.active:
             raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
         self._emit(*(ev.Release(checkpoint, pool) for pool in b.pools))
+
+    # --- engine metadata and read-only answers (engine/info.py) -----------------------------
+    def set_metadata(self, bundle: int, metadata: Any) -> None:
+        """Attach ``metadata`` (anything msgpack can encode: token ids, a model tag, ...; at
+        most ``METADATA_MAX`` bytes encoded) to an active sequence or a checkpoint; ``None``
+        clears it. Journaled: it survives a restart with the checkpoint, and
+        ``checkpoint_info(ck).metadata`` returns it."""
+        self._usable("set_metadata")
+        bundle = as_int("seq", bundle)
+        if bundle not in self.state.bundles:
+            raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
+        try:
+            data = b"" if metadata is None else msgspec.msgpack.encode(metadata)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise InvalidArgument(f"set_metadata({bundle}): metadata must be msgpack-encodable "
+                                  f"(dict, list, str, bytes, int, float, bool, None): {exc}"
+                                  ) from None
+        if len(data) > ev.METADATA_MAX:
+            raise InvalidArgument(f"set_metadata({bundle}): {len(data)} bytes encoded > "
+                                  f"METADATA_MAX={ev.METADATA_MAX}")
+        self._emit(ev.SetMetadata(bundle, data))
+
+    def checkpoint_info(self, bundle: int) -> info.CheckpointInfo:
+        """Frontier, residency per pool (device/host pages and bytes), whether it survives a
+        restart, and its metadata — for an active sequence or a checkpoint."""
+        if self._closed:
+            raise StoreClosed("checkpoint_info refused: the store is closed")
+        return info.checkpoint_info(self, as_int("checkpoint", bundle))
+
+    def metrics(self) -> info.StoreMetrics:
+        """Counters since open and occupancy now (engine/info.py documents each field)."""
+        return info.metrics(self)
 
     def checkpoints(self) -> list[int]:
         return [b for b, x in self.state.bundles.items() if not x.active]
@@ -317,7 +352,7 @@ class KVStore(StoreCore):
         layer = as_int("layer", layer, lo=0, hi=len(pd.planes) - 1)
         planes = pd.planes[layer]
         g = pd.geometry
-        guard = WriteGuard(self, name) if self.config.checked else None
+        guard = checked.WriteGuard(self, name, layer) if self.config.checked else None
         return PagedKVBatchLayerView(planes["k_code"], planes["v_code"], planes.get("k_scale"),
                                      planes.get("v_scale"), pd.block_tables, g.head_dim,
                                      g.num_kv_heads, self.config.model.profile
@@ -362,9 +397,7 @@ class KVStore(StoreCore):
         return digest(self.state)
 
     def occupancy(self) -> dict[str, dict[str, int]]:
-        return {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
-                    "available": p.available, "rows_leased": len(p.row_owner)}
-                for n, p in self.state.pools.items()}
+        return info.metrics(self).pools
 
 
 __all__ = ["NO_PAGE", "InvariantViolation", "KVStore", "RecoveryReport", "StoreConfig"]

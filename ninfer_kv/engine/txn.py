@@ -38,6 +38,7 @@ class Txn(Protocol):
     _effects: list[Any]        # ev.CopyTail | ev.DeviceRestore, run in emission order
     _transfers: list[Any]      # host.Transfer, run after the table writes
     _touched: dict[tuple[str, int], int]
+    _written: dict[tuple[str, int, int], set[int]]  # checked mode: (pool, seq, layer) -> tokens
 
     @property
     def pools(self) -> tuple[str, ...]: ...

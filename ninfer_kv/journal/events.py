@@ -18,10 +18,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 4)
+SCHEMA: tuple[int, int] = (1, 5)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
 1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
-Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent."""
+Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent; 1.5 added
+the SetMetadata tag (engine metadata of a sequence or checkpoint)."""
+
+METADATA_MAX = 1 << 20
+"""Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
 
 I32 = np.dtype("<i4")
 
@@ -118,6 +122,14 @@ class Finish(_Event, tag="fin"):
     pool: str
     retain: bool
     reason: str = "stop"
+
+
+class SetMetadata(_Event, tag="meta"):
+    """Attach the engine's metadata to a bundle (an active sequence or a checkpoint): msgpack
+    bytes of at most ``METADATA_MAX``; empty clears it. It lives and survives with the bundle."""
+
+    bundle: int
+    meta: bytes
 
 
 class Release(_Event, tag="rel"):
@@ -296,7 +308,7 @@ class Unpin(_Event, tag="unpin"):
 Event = (Configure | Recovered | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
          | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail | HostConfigure
          | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore | Pin
-         | Unpin)
+         | Unpin | SetMetadata)
 
 
 class EventCodec:

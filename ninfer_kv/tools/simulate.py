@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore, StoreConfig
@@ -198,6 +200,21 @@ def make_store(opts: SimOptions) -> KVStore:
     return KVStore.open(cfg)
 
 
+def _unit_wrote(store: KVStore, pool: str, seq: int, end: int) -> None:
+    """Checked mode: the simulated GPU unit writes ``[committed, end)`` of ``seq`` in every
+    layer, through each layer view's write guard (which checks the writer, the frontier and
+    the published table, and records the write so the commit is allowed)."""
+    sp = store.space(seq, pool)
+    if end <= sp.committed:
+        return
+    rows = torch.full((end - sp.committed,), sp.row, dtype=torch.int32)
+    positions = torch.arange(sp.committed, end)
+    for layer in range(store.device.pools[pool].geometry.layers):
+        guard = store.batch_view(pool, layer).guard
+        assert guard is not None
+        guard(rows, positions)
+
+
 def simulate(requests: list[Request], opts: SimOptions,
              on_round: Callable[[KVStore, SimResult], None] | None = None,
              store: KVStore | None = None) -> tuple[KVStore, SimResult]:
@@ -259,6 +276,8 @@ def simulate(requests: list[Request], opts: SimOptions,
         timed(store.unit_complete)
         for r in admitted:
             for pool in pools:
+                if opts.checked:
+                    _unit_wrote(store, pool, r.seq, r.req.prompt)
                 timed(store.commit, r.seq, pool, r.req.prompt)
             r.frontier = r.req.prompt
         done = []
@@ -272,6 +291,9 @@ def simulate(requests: list[Request], opts: SimOptions,
             if r.frontier >= r.target:
                 done.append(r)
         for pool in pools:  # each pool commits its accepted frontier, then trims (§8.2 order)
+            if opts.checked:
+                for r in steps:
+                    _unit_wrote(store, pool, r.seq, r.frontier)
             timed(store.commit_many, pool, seqs, [r.frontier for r in steps])
             if k > 1:
                 for r in steps:

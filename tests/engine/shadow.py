@@ -37,10 +37,11 @@ def write(store: KVStore, seq: int, pool: str, start: int, tags: list[int]) -> N
         return
     pd = store.device.pools[pool]
     row = store.space(seq, pool).row
-    view = store.batch_view(pool, 0)
     positions = torch.arange(start, start + len(tags))
-    if view.guard is not None:
-        view.guard(torch.full((len(tags),), row, dtype=torch.int32), positions)
+    for layer in range(pd.geometry.layers):  # every layer writes (checked commit needs it)
+        view = store.batch_view(pool, layer)
+        if view.guard is not None:
+            view.guard(torch.full((len(tags),), row, dtype=torch.int32), positions)
     planes, order = _planes(store, pool)
     tag_t = torch.tensor(tags)
     i = 0

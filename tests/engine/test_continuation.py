@@ -37,6 +37,11 @@ def write_tokens(s: KVStore, seq: int, pool: str, start: int, end: int) -> None:
     row = s.space(seq, pool).row
     table = pd.block_tables[row]
     head_major = pd.geometry.order.value == "head-major"
+    if s.config.checked and end > start:  # the kernels' write guard, every layer
+        for layer in range(pd.geometry.layers):
+            guard = s.batch_view(pool, layer).guard
+            assert guard is not None
+            guard(torch.full((end - start,), row, dtype=torch.int32), torch.arange(start, end))
     for pos in range(start, end):
         g, col = int(table[pos // P]), pos % P
         for layer in pd.planes:

@@ -56,6 +56,7 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
         s.truncate(a, pool, 250)
     _step(s)
     ck = s.finish(a, retain=True)
+    s.set_metadata(ck, {"tokens": [1, 2, 3]})       # SetMetadata
     s.offload(ck)
     _step(s)                                       # HostReserve, HostPublish
     s.drop_device(ck)

@@ -80,8 +80,16 @@ def _drop_host(s: KVStore) -> None:
     step(s)
 
 
-@pytest.mark.parametrize("make", [_retain, _release, _move, _publish, _drop_host],
-                         ids=["finish-retain", "release", "move", "host-publish", "drop-host"])
+def _metadata(s: KVStore) -> None:
+    ck = checkpoint_at(s, 100)
+    decode_round(s, s.activate(10, 10))
+    s.set_metadata(ck, {"tokens": [1, 2]})
+    step(s)
+
+
+@pytest.mark.parametrize("make", [_retain, _release, _move, _publish, _drop_host, _metadata],
+                         ids=["finish-retain", "release", "move", "host-publish", "drop-host",
+                              "metadata"])
 def test_a_record_that_changes_what_survives_is_fsynced(
         tmp_path: Path, make: Callable[[KVStore], None]) -> None:
     s = store(tmp_path)

@@ -28,7 +28,7 @@ from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode, paged_prefill
 from ninfer_kv.replay import replay
 from tests.engine.conftest import small_config
-from tests.engine.test_continuation import checkpoint_at, step
+from tests.engine.test_continuation import checkpoint_at, step, write_tokens
 from tests.engine.test_host_tier import host_store
 from tests.engine.test_trust_durability import tree
 
@@ -143,6 +143,7 @@ def test_checked_writes_through_an_unpublished_table_are_refused(tmp_path: Path)
     a = s.activate(128, 64)
     s.ensure_mapped(a, "main", 128)
     step(s)
+    write_tokens(s, a, "main", 0, 64)
     s.commit(a, "main", 64)
     s.truncate(a, "main", 64)  # a's second page group is freed; no boundary yet
     b = s.activate(64, 64)

@@ -1,0 +1,108 @@
+"""Read-only answers an engine needs, as documented dataclasses instead of internals:
+``checkpoint_info`` (frontier, residency, bytes, metadata of one sequence or checkpoint) and
+``metrics`` (counters and occupancy of the whole store). Nothing here mutates state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ninfer_kv.engine import host
+from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.errors import UnknownHandle
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.txn import Txn
+
+
+@dataclass(frozen=True, slots=True)
+class PoolResidency:
+    """One pool's address space of a sequence or checkpoint."""
+
+    frontier: int       # committed tokens (§8.1)
+    pages: int          # logical pages in its membership
+    device_pages: int   # pages with a device replica (readable by kernels now)
+    host_pages: int     # pages with a valid host replica covering their committed columns (§5.1)
+    device_bytes: int   # device_pages * the pool's page-group bytes (all layers and planes)
+    host_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    id: int
+    active: bool                         # an active sequence, not (yet) a checkpoint
+    frontier: int                        # committed frontier of the main pool
+    pools: dict[str, PoolResidency]
+    survives_restart: bool               # every page has a valid host replica in a file arena
+    finish_reason: str
+    parent: int | None                   # the checkpoint it was continued from
+    metadata: Any                        # what set_metadata attached (decoded), or None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMetrics:
+    """Counters since open (records, events, page moves) and what is in use now."""
+
+    records: int            # journal records (GPU boundaries that published events)
+    events: int
+    materialized: int       # pages materialized by ensure_mapped
+    cow_copies: int         # partial-tail copies (Fork at a mid-page frontier)
+    d2h_pages: int          # pages copied to the host tier
+    h2d_pages: int          # pages restored from the host tier
+    published: int          # host transfers published (verified, durable)
+    active: int             # active sequences
+    checkpoints: int        # inactive checkpoints
+    pools: dict[str, dict[str, int]]   # capacity, allocated, reserved, available, rows_leased
+    host_capacity: int      # host arena bytes (0: no host tier)
+    host_used: int
+    journal_seq: int        # last journal record (0 without a journal)
+    journal_durable_seq: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
+    st = store.state
+    b = st.bundles.get(bundle)
+    if b is None:
+        raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
+    page_bytes = {s.name: s.page_bytes for s in st.pool_specs}
+    pools: dict[str, PoolResidency] = {}
+    for name in b.pools:
+        p = st.pools[name]
+        sp = p.spaces[bundle]
+        pages = [p.pages[s] for s in sp.members]
+        dev = sum(1 for pg in pages if pg is not None and pg.device != NO_PAGE)
+        hst = sum(1 for pg in pages
+                  if pg is not None and host.replica_valid(pg, pg.committed))
+        pools[name] = PoolResidency(sp.committed, len(pages), dev, hst,
+                                    dev * page_bytes[name], hst * page_bytes[name])
+    main = pools.get("main") or next(iter(pools.values()), None)
+    survives = (not b.active and st.host_persistent == 1 and bool(pools)
+                and all(r.host_pages == r.pages for r in pools.values()))
+    return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
+                          b.finish_reason, b.parent if b.parent >= 0 else None,
+                          msgspec.msgpack.decode(b.meta) if b.meta else None)
+
+
+def metrics(store: Txn) -> StoreMetrics:
+    st, s = store.state, store.stats
+    active = sum(1 for b in st.bundles.values() if b.active)
+    pools = {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
+                 "available": p.available, "rows_leased": len(p.row_owner)}
+             for n, p in st.pools.items()}
+    j = store.journal
+    return StoreMetrics(s["records"], s["events"], s["materialized"], s["cow_copies"],
+                        s["d2h_pages"], s["h2d_pages"], s["published"], active,
+                        len(st.bundles) - active, pools,
+                        st.host.capacity if st.host is not None else 0,
+                        st.host.live_bytes if st.host is not None else 0,
+                        j.last_seq if j is not None else 0,
+                        j.durable_seq if j is not None else 0)

@@ -1,0 +1,143 @@
+"""The engine author's read/annotate surface: set_metadata (journaled, survives a restart),
+checkpoint_info, metrics; and checked mode's commit rule (a commit covers only tokens every
+layer wrote through a guarded view)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import (
+    InvalidArgument,
+    StoreClosed,
+    UnknownHandle,
+    WritePermissionError,
+)
+from ninfer_kv.journal.events import METADATA_MAX
+from ninfer_kv.replay import replay
+from tests.engine.conftest import assert_refusals_change_nothing, crash, small_config
+from tests.engine.test_continuation import checkpoint_at, step, write_tokens
+from tests.engine.test_host_tier import host_store
+
+
+def test_metadata_is_journaled_and_survives_a_restart(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 100)
+    meta = {"tokens": list(range(100)), "model": "tiny-llama", "blob": b"\x00\xff"}
+    s.set_metadata(ck, meta)
+    assert s.checkpoint_info(ck).metadata == meta
+    s.offload(ck)
+    step(s)
+    crash(s)
+    s2 = host_store(tmp_path)
+    assert s2.recovery.kept == [ck]
+    info = s2.checkpoint_info(ck)
+    assert info.metadata == meta and info.survives_restart
+    s2.set_metadata(ck, None)  # clears
+    step(s2)
+    assert s2.checkpoint_info(ck).metadata is None
+    s2.close()
+    assert replay(str(tmp_path / "persist" / "journal")).digest == s2.digest()
+
+
+def test_metadata_refusals_change_nothing(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 64)
+    assert_refusals_change_nothing(s, [
+        (UnknownHandle, "neither an active sequence nor a checkpoint",
+         lambda: s.set_metadata(999, {})),
+        (InvalidArgument, "msgpack-encodable", lambda: s.set_metadata(ck, {"f": object()})),
+        (InvalidArgument, "METADATA_MAX", lambda: s.set_metadata(ck, b"x" * METADATA_MAX)),
+        (InvalidArgument, "seq=True", lambda: s.set_metadata(True, {})),
+        (UnknownHandle, "neither", lambda: s.checkpoint_info(12345)),
+    ])
+    s.set_metadata(ck, b"x" * (METADATA_MAX - 8))  # the cap is on the encoded bytes
+    s.close()
+    with pytest.raises(StoreClosed):
+        s.checkpoint_info(ck)
+    with pytest.raises(StoreClosed):
+        s.set_metadata(ck, 1)
+
+
+def test_checkpoint_info_reports_frontier_and_residency(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    a = s.activate(100, 50)
+    s.ensure_mapped(a, "main", 100)
+    step(s)
+    live = s.checkpoint_info(a)
+    assert live.active and live.frontier == 0 and live.pools["main"].pages == 2
+    assert not live.survives_restart
+    write_tokens(s, a, "main", 0, 100)
+    s.commit(a, "main", 100)
+    ck = s.finish(a, retain=True)
+    step(s)
+    page = s.device.pools["main"].geometry.page_bytes
+    info = s.checkpoint_info(ck)
+    assert (info.active, info.frontier, info.parent, info.finish_reason) == (False, 100, None,
+                                                                            "stop")
+    main = info.pools["main"]
+    assert (main.pages, main.device_pages, main.host_pages) == (2, 2, 0)
+    assert main.device_bytes == 2 * page and not info.survives_restart
+    s.offload(ck, drop_device=True)
+    step(s)
+    main = s.checkpoint_info(ck).pools["main"]
+    assert (main.device_pages, main.host_pages, main.host_bytes) == (0, 2, 2 * page)
+    assert s.checkpoint_info(ck).survives_restart
+    y = s.activate_from(ck, 100, 100, 10)
+    assert s.checkpoint_info(y).parent == ck
+    s.close()
+
+
+def test_metrics_count_what_happened(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    m0 = s.metrics()
+    ck = checkpoint_at(s, 100)
+    s.offload(ck)
+    step(s)
+    m = s.metrics()
+    assert m.materialized - m0.materialized == 2 and m.d2h_pages - m0.d2h_pages == 2
+    assert (m.active, m.checkpoints) == (0, 1) and m.published == 1
+    assert m.records > m0.records and m.journal_seq == s.journal.last_seq  # type: ignore[union-attr]
+    assert m.pools == s.occupancy() and m.pools["main"]["allocated"] == 2
+    assert m.host_used > 0 and m.host_capacity == 8 << 20
+    assert set(m.as_dict()) >= {"records", "events", "pools", "journal_durable_seq"}
+    s.close()
+
+
+# --- checked mode: commit covers only what every layer wrote -------------------------------
+def test_checked_commit_needs_every_layer_written(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, checked=True))
+    a = s.activate(100, 50)
+    s.ensure_mapped(a, "main", 100)
+    step(s)
+    rows = torch.full((100,), s.space(a).row, dtype=torch.int32)
+    pos = torch.arange(100)
+    s.batch_view("main", 0).guard(rows, pos)  # type: ignore[misc]  # layer 0 only
+    assert_refusals_change_nothing(s, [
+        (WritePermissionError, "layer 1 never wrote 100", lambda: s.commit(a, "main", 100)),
+    ])
+    s.batch_view("main", 1).guard(rows[:60], pos[:60])  # type: ignore[misc]
+    assert_refusals_change_nothing(s, [
+        (WritePermissionError, "layer 1 never wrote 40 .*first: 60",
+         lambda: s.commit(a, "main", 100)),
+    ])
+    s.commit(a, "main", 60)  # what both layers wrote
+    s.batch_view("main", 1).guard(rows[60:], pos[60:])  # type: ignore[misc]
+    s.commit(a, "main", 100)
+    s.truncate(a, "main", 70)  # the tail is discarded: it must be written again
+    with pytest.raises(WritePermissionError, match="layer 0 never wrote 30 .*first: 70"):
+        s.commit(a, "main", 100)
+    s.close()
+
+
+def test_an_unchecked_store_trusts_the_commit(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(100, 50)
+    s.ensure_mapped(a, "main", 100)
+    step(s)
+    s.commit(a, "main", 100)  # nothing was written: accepted (the caller's promise, §8.1)
+    assert s.space(a).committed == 100
+    s.close()
