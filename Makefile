@@ -18,11 +18,11 @@ demo: $(STAMP)
 	$(BIN)/ninfer-kv demo --out out/demo
 
 test: $(STAMP)
-	$(BIN)/ruff check ninfer_kv tests benchmarks
+	$(BIN)/ruff check ninfer_kv tests benchmarks examples
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check ninfer_kv tests benchmarks
+	$(BIN)/ruff check ninfer_kv tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -126,7 +126,8 @@ VERDICT_NAMES = frozenset({"bad", "reason", "durable_later"})
 # reported survivor is one that no test of the suite kills (SLOW files excepted).
 
 ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
-          "tests/engine/test_store_core.py",
+          "tests/engine/test_store_core.py", "tests/engine/test_engine_api.py",
+          "tests/engine/test_sync_policy.py",
           "tests/engine/test_continuation.py", "tests/engine/test_host_tier.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
           "tests/engine/test_host_arena.py"]
