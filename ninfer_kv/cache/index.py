@@ -1,0 +1,151 @@
+"""``PrefixIndex``: which retained checkpoint shares the longest prefix with a prompt, to the
+token (``activate_from(ck, frontier, ...)`` can continue at any token, spec §9).
+
+Keys are chained block hashes: ``h_1 = H(seed, block_0)``, ``h_k = H(h_{k-1}, block_{k-1})``
+over blocks of ``block`` tokens (default 64 = P), so a key stands for a whole prefix. A
+lookup hashes the query block by block and stops at the first key no checkpoint holds (cost
+O(query blocks)); among the checkpoints holding the longest matched chain it compares the next,
+partial block token by token. The answer is then checked token for token against the
+checkpoint (a hash collision can cost a slower lookup, never a wrong answer).
+
+Invariant: ``_holders[h_k]`` is exactly the set of indexed checkpoints whose first ``k`` blocks
+hash to ``h_k``; ``_tokens[ck]`` are the tokens ``ck`` was indexed with (at most its committed
+frontier — the engine's responsibility, checked by ``from_store``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ninfer_kv.engine.args import as_int
+from ninfer_kv.errors import InvalidArgument, UnknownHandle
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.store import KVStore
+
+SEED = b"ninfer-kv prefix index v1"
+
+
+def blake2b_chain(parent: bytes, block: bytes) -> bytes:
+    """The default chain hash: BLAKE2b-128 of the parent key and the block's int32 bytes."""
+    return hashlib.blake2b(parent + block, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    checkpoint: int
+    tokens: int  # the common prefix length: continue with activate_from(checkpoint, tokens, ...)
+
+
+def _as_tokens(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgument(f"{what}: want a 1-D sequence of integer token ids, got dtype "
+                              f"{arr.dtype} shape {arr.shape}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise InvalidArgument(f"{what}: token ids must fit in int32")
+    return arr.astype("<i4", copy=True)
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixIndex:
+    def __init__(self, block: int = 64, chain: Any = blake2b_chain) -> None:
+        self.block = as_int("block", block, lo=1)
+        self._chain_fn = chain
+        self._holders: dict[bytes, dict[int, None]] = {}  # ordered: newest holder last
+        self._tokens: dict[int, np.ndarray] = {}
+        self._keys: dict[int, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __contains__(self, checkpoint: object) -> bool:
+        return checkpoint in self._tokens
+
+    def _chain(self, tokens: np.ndarray) -> list[bytes]:
+        keys: list[bytes] = []
+        h, b = SEED, self.block
+        for i in range(len(tokens) // b):
+            h = self._chain_fn(h, tokens[i * b:(i + 1) * b].tobytes())
+            keys.append(h)
+        return keys
+
+    def add(self, checkpoint: int, tokens: Sequence[int] | np.ndarray) -> None:
+        """Index ``checkpoint`` as holding ``tokens`` (its first ``len(tokens)`` tokens)."""
+        checkpoint = as_int("checkpoint", checkpoint)
+        arr = _as_tokens(tokens, f"add({checkpoint})")
+        if checkpoint in self._tokens:
+            self.remove(checkpoint)
+        keys = self._chain(arr)
+        for k in keys:
+            self._holders.setdefault(k, {})[checkpoint] = None
+        self._tokens[checkpoint], self._keys[checkpoint] = arr, keys
+
+    def remove(self, checkpoint: int) -> None:
+        checkpoint = as_int("checkpoint", checkpoint)
+        if checkpoint not in self._tokens:
+            raise UnknownHandle(f"checkpoint {checkpoint} is not in the prefix index")
+        for k in self._keys.pop(checkpoint):
+            holders = self._holders[k]
+            del holders[checkpoint]
+            if not holders:
+                del self._holders[k]
+        del self._tokens[checkpoint]
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> Match | None:
+        """The checkpoint sharing the longest prefix with ``tokens`` (the newest one among
+        equals), or None when none shares a token."""
+        q = _as_tokens(tokens, "lookup")
+        b, h, k = self.block, SEED, 0
+        candidates: Any = self._tokens  # k == 0: every checkpoint
+        for i in range(len(q) // b):
+            key = self._chain_fn(h, q[i * b:(i + 1) * b].tobytes())
+            nxt = self._holders.get(key)
+            if not nxt:
+                break
+            h, k, candidates = key, i + 1, nxt
+        start = k * b
+        best: Match | None = None
+        for ck in reversed(list(candidates)):  # newest first: it wins ties
+            t = self._tokens[ck]
+            if not np.array_equal(t[:start], q[:start]):  # a hash collision: never trusted
+                return self._scan(q)
+            n = start + _common(t[start:start + b], q[start:start + b])
+            if n > 0 and (best is None or n > best.tokens):
+                best = Match(ck, n)
+        return best
+
+    def _scan(self, q: np.ndarray) -> Match | None:
+        """Every checkpoint compared token by token (the answer when hashes disagree)."""
+        best: Match | None = None
+        for ck in reversed(list(self._tokens)):
+            n = _common(self._tokens[ck], q)
+            if n > 0 and (best is None or n > best.tokens):
+                best = Match(ck, n)
+        return best
+
+    @classmethod
+    def from_store(cls, store: KVStore, key: str = "tokens", block: int = 64) -> PrefixIndex:
+        """Rebuild from a store's checkpoints and the token ids each carries in its metadata
+        under ``key`` (``store.set_metadata(ck, {"tokens": ids, ...})``) — after a restart,
+        or from a replayed journal. Tokens beyond a checkpoint's committed frontier are not
+        indexed (they have no KV there); checkpoints without tokens are skipped."""
+        idx = cls(block)
+        for ck in sorted(store.checkpoints()):
+            info = store.checkpoint_info(ck)
+            meta = info.metadata
+            if isinstance(meta, dict) and key in meta:
+                idx.add(ck, _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")[
+                    :info.frontier])
+        return idx

@@ -1,0 +1,157 @@
+"""PrefixIndex against a brute-force oracle (hypothesis state machine), its refusals, its
+collision fallback, and its rebuild from a restarted store's checkpoint metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from ninfer_kv.cache import Match, PrefixIndex
+from ninfer_kv.errors import InvalidArgument, UnknownHandle
+from tests.engine.conftest import crash
+from tests.engine.test_continuation import checkpoint_at, step
+from tests.engine.test_host_tier import host_store
+
+# few distinct tokens and short blocks: shared prefixes and partial-block ties are common
+TOKENS = st.lists(st.integers(0, 2), max_size=40)
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = PrefixIndex(block=4)
+        self.model: dict[int, list[int]] = {}
+        self.next = 0
+
+    @rule(tokens=TOKENS)
+    def add(self, tokens: list[int]) -> None:
+        self.idx.add(self.next, tokens)
+        self.model[self.next] = tokens
+        self.next += 1
+
+    @rule(data=st.data(), tokens=TOKENS)
+    def replace(self, data: st.DataObject, tokens: list[int]) -> None:
+        if self.model:
+            ck = data.draw(st.sampled_from(sorted(self.model)))
+            self.idx.add(ck, tokens)
+            self.model[ck] = tokens
+
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        if self.model:
+            ck = data.draw(st.sampled_from(sorted(self.model)))
+            self.idx.remove(ck)
+            del self.model[ck]
+
+    @rule(query=TOKENS)
+    def lookup(self, query: list[int]) -> None:
+        got = self.idx.lookup(query)
+        best = max((lcp(t, query) for t in self.model.values()), default=0)
+        if best == 0:
+            assert got is None
+        else:
+            assert got is not None and got.tokens == best
+            assert lcp(self.model[got.checkpoint], query) == best
+
+    @invariant()
+    def same_members(self) -> None:
+        assert len(self.idx) == len(self.model)
+        assert all(ck in self.idx for ck in self.model)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=list(HealthCheck))
+
+
+def test_token_exact_across_a_partial_block() -> None:
+    idx = PrefixIndex()  # block 64
+    a = list(range(200))
+    idx.add(7, a)
+    assert idx.lookup(a[:150] + [-1] * 10) == Match(7, 150)  # 2 blocks + 22 tokens
+    assert idx.lookup(a[:40]) == Match(7, 40)                # inside the first block
+    assert idx.lookup([5, 6]) is None
+    idx.add(8, a[:130])  # equal prefix length: the newest wins the tie
+    assert idx.lookup(a[:100]) == Match(8, 100)
+    assert idx.lookup(a) == Match(7, 200)
+
+
+def test_a_removed_checkpoint_leaves_no_key_behind() -> None:
+    idx = PrefixIndex(block=4)
+    idx.add(1, [0, 0, 0, 0, 1, 1, 1, 1])
+    idx.add(2, [0, 0, 0, 0, 2])
+    idx.remove(1)
+    assert idx.lookup([0, 0, 0, 0, 1, 1, 1, 1]) == Match(2, 4)
+    assert len(idx._holders) == 1  # only the key of the first block, held by 2
+
+
+def test_a_hash_collision_never_gives_a_wrong_answer() -> None:
+    idx = PrefixIndex(block=2, chain=lambda parent, block: b"same")  # every key collides
+    idx.add(1, [1, 2, 3, 4])
+    idx.add(2, [9, 9, 9, 9, 9])
+    assert idx.lookup([1, 2, 3, 0]) == Match(1, 3)
+    assert idx.lookup([9, 9, 9]) == Match(2, 3)
+    assert idx.lookup([0]) is None
+
+
+def test_refusals() -> None:
+    idx = PrefixIndex()
+    with pytest.raises(UnknownHandle, match="not in the prefix index"):
+        idx.remove(3)
+    with pytest.raises(InvalidArgument, match="1-D sequence of integer"):
+        idx.add(1, [[1, 2]])
+    with pytest.raises(InvalidArgument, match="1-D sequence of integer"):
+        idx.lookup([0.5])
+    with pytest.raises(InvalidArgument, match="int32"):
+        idx.add(1, [1 << 40])
+    with pytest.raises(InvalidArgument, match="block=0 must be >= 1"):
+        PrefixIndex(block=0)
+    assert len(idx) == 0
+
+
+def test_rebuilt_from_a_restarted_store(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 1000, 64).tolist()
+    live = PrefixIndex()
+    for n in (100, 150, 70):
+        ck = checkpoint_at(s, n)
+        toks = (system + rng.integers(0, 1000, 200).tolist())[:n + 5]  # 5 beyond the frontier
+        s.set_metadata(ck, {"tokens": toks})
+        live.add(ck, toks[:n])
+        s.offload(ck)
+        step(s)
+    gone = checkpoint_at(s, 80)  # device-only: a restart drops it
+    s.set_metadata(gone, {"tokens": system + [1] * 16})
+    step(s)
+    crash(s)
+    s2 = host_store(tmp_path)
+    rebuilt = PrefixIndex.from_store(s2)
+    assert gone not in rebuilt and len(rebuilt) == 3
+    for q in (system + [3] * 10, live._tokens[max(live._tokens)].tolist(), [42]):
+        assert rebuilt.lookup(q) == live.lookup(q)
+    s2.close()
+
+
+def test_from_store_skips_checkpoints_without_tokens(tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 64)
+    other = checkpoint_at(s, 64)
+    s.set_metadata(other, {"model": "x"})
+    s.set_metadata(ck, {"tokens": list(range(64))})
+    idx = PrefixIndex.from_store(s)
+    assert ck in idx and other not in idx
+    assert idx.lookup(list(range(100))) == Match(ck, 64)
+    s.close()
