@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ninfer_kv.engine import host
+from ninfer_kv.engine.continuation import unrecoverable_reason
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.errors import UnknownHandle
 
@@ -36,7 +37,7 @@ class CheckpointInfo:
     active: bool                         # an active sequence, not (yet) a checkpoint
     frontier: int                        # committed frontier of the main pool
     pools: dict[str, PoolResidency]
-    survives_restart: bool               # every page has a valid host replica in a file arena
+    survives_restart: bool               # a reopen keeps it (restart.py's rule)
     finish_reason: str
     parent: int | None                   # the checkpoint it was continued from
     metadata: Any                        # what set_metadata attached (decoded), or None
@@ -85,8 +86,10 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
         pools[name] = PoolResidency(sp.committed, len(pages), dev, hst,
                                     dev * page_bytes[name], hst * page_bytes[name])
     main = pools.get("main") or next(iter(pools.values()), None)
-    survives = (not b.active and st.host_persistent == 1 and bool(pools)
-                and all(r.host_pages == r.pages for r in pools.values()))
+    # restart's rule (engine/restart.py): every page has a valid published host replica, and
+    # replicas outlive the process only in a file arena (a checkpoint without pages needs none)
+    survives = (not b.active and unrecoverable_reason(st, bundle) is None
+                and (st.host_persistent == 1 or all(r.pages == 0 for r in pools.values())))
     return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
                           b.finish_reason, b.parent if b.parent >= 0 else None,
                           msgspec.msgpack.decode(b.meta) if b.meta else None)

@@ -195,6 +195,7 @@ class KVStore(StoreCore):
         n = len(sp.members) - keep
         self._emit(ev.Trim(bundle, sp.pool, keep))
         self._touch(sp.pool, bundle, keep)
+        checked.forget(self, sp.pool, bundle, keep * P)  # a page mapped again is unwritten
         return n
 
     def _check_private(self, p: PoolState, sp: KVAddressSpace, start: int) -> None:
@@ -280,13 +281,19 @@ class KVStore(StoreCore):
             raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
         try:
             data = b"" if metadata is None else msgspec.msgpack.encode(metadata)
-        except (TypeError, msgspec.EncodeError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError
+                ) as exc:
             raise InvalidArgument(f"set_metadata({bundle}): metadata must be msgpack-encodable "
                                   f"(dict, list, str, bytes, int, float, bool, None): {exc}"
                                   ) from None
         if len(data) > ev.METADATA_MAX:
             raise InvalidArgument(f"set_metadata({bundle}): {len(data)} bytes encoded > "
                                   f"METADATA_MAX={ev.METADATA_MAX}")
+        queued = sum(len(e.meta) for e in self._pending if isinstance(e, ev.SetMetadata))
+        if queued + len(data) > ev.METADATA_PER_RECORD:
+            raise InvalidArgument(f"set_metadata({bundle}): {queued} + {len(data)} metadata "
+                                  f"bytes in one boundary > METADATA_PER_RECORD="
+                                  f"{ev.METADATA_PER_RECORD}; run a boundary first")
         self._emit(ev.SetMetadata(bundle, data))
 
     def checkpoint_info(self, bundle: int) -> info.CheckpointInfo:

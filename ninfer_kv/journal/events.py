@@ -26,6 +26,8 @@ the SetMetadata tag (engine metadata of a sequence or checkpoint)."""
 
 METADATA_MAX = 1 << 20
 """Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
+METADATA_PER_RECORD = 64 << 20
+"""Most metadata bytes one boundary's record may carry (a record is at most 256 MiB)."""
 
 I32 = np.dtype("<i4")
 

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import structlog
 
-from ninfer_kv.errors import JournalError, JournalFailed
+from ninfer_kv.errors import JournalCorrupt, JournalError, JournalFailed
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
+    MAX_PAYLOAD,
     SEG_HEADER_SIZE,
     TMP_RE,
     SegmentHeader,
@@ -166,6 +167,15 @@ class Journal:
 
     def append_payload(self, payload: bytes, durable: bool = True) -> int:
         f = self._check()
+        if len(payload) > MAX_PAYLOAD:  # a reader would take it for damage: never write it
+            raise JournalError(f"record of {len(payload)} bytes > MAX_PAYLOAD={MAX_PAYLOAD}; "
+                               "nothing was written")
+        policy = self.options.sync
+        if policy is SyncPolicy.COMMIT and durable and self.durable_seq < self.last_seq:
+            # make the records before it durable first, so this record's durable_seq stamp
+            # proves them: damage among them is then mid-log corruption, never a "torn tail"
+            # that would cut this acknowledged record with it (recovery rules)
+            self.sync()
         if (self._seg_records and f.tell() + len(payload) + FRAME_OVERHEAD
                 > self.options.segment_bytes):
             self.sync()
@@ -181,7 +191,6 @@ class Journal:
         self.last_seq, self.last_crc = seq, crc
         self._seg_records += 1
         self.bytes_written += len(frame)
-        policy = self.options.sync
         if (policy is SyncPolicy.COMMIT and durable) or (
                 policy is SyncPolicy.INTERVAL
                 and (self._clock() - self._last_sync) * 1000.0 >= self.options.interval_ms):
@@ -252,14 +261,15 @@ class Journal:
         how many segments were removed."""
         self.sync()
         major = self.codec.schema[0]
-        usable: list[int] = []
-        for res in (scan_from_snapshot(self.directory, schema_major=major, fs=self.fs),
-                    None):  # as recovery reads the log: from the snapshot, else all of it
-            res = res or scan(self.directory, schema_major=major, fs=self.fs, repair=False)
-            usable = [s.seq for s in usable_snapshots(self.directory, res, major, self.fs)
-                      if not isinstance(s, str) and accept(s.payload)]
-            if usable:
-                break
+        try:  # the whole log, so every snapshot still on its chain keeps what it needs
+            res: ScanResult | None = scan(self.directory, schema_major=major, fs=self.fs,
+                                          repair=False)
+        except JournalCorrupt:  # damage only a snapshot covers (recovery reads past it too)
+            res = scan_from_snapshot(self.directory, schema_major=major, fs=self.fs)
+            if res is None:
+                raise
+        usable = [s.seq for s in usable_snapshots(self.directory, res, major, self.fs)
+                  if not isinstance(s, str) and accept(s.payload)]
         if not usable:
             return 0
         oldest = min(usable)

@@ -18,20 +18,25 @@ import contextlib
 import functools
 import hashlib
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import llvmlite
 import numba
+import structlog
 from numba.core import config
 
 KERNELS = Path(__file__).parent
+log = structlog.get_logger(__name__)
 
 
 @functools.cache
 def cache_dir() -> str:
-    """The directory this version of the kernels caches compiled code in."""
+    """The directory this version of the kernels caches compiled code in. If it cannot be
+    created or written, a fresh private temporary directory (compiled once per process) —
+    never numba's fallback next to the sources, whose staleness check this module avoids."""
     base = os.environ.get("NINFER_KV_JIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"),
         "ninfer-kv", "numba")
@@ -39,7 +44,16 @@ def cache_dir() -> str:
     for src in sorted(KERNELS.glob("*.py")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    return os.path.join(base, h.hexdigest()[:16])
+    path = os.path.join(base, h.hexdigest()[:16])
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        fallback = tempfile.mkdtemp(prefix="ninfer-kv-numba-")
+        log.warning("jit.cache_unwritable", path=path, error=str(exc), using=fallback)
+        return fallback
+    return path
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from ninfer_kv.errors import (
     UnknownHandle,
     WritePermissionError,
 )
-from ninfer_kv.journal.events import METADATA_MAX
+from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD
 from ninfer_kv.replay import replay
 from tests.engine.conftest import assert_refusals_change_nothing, crash, small_config
 from tests.engine.test_continuation import checkpoint_at, step, write_tokens
@@ -140,4 +140,65 @@ def test_an_unchecked_store_trusts_the_commit(tmp_path: Path) -> None:
     step(s)
     s.commit(a, "main", 100)  # nothing was written: accepted (the caller's promise, §8.1)
     assert s.space(a).committed == 100
+    s.close()
+
+
+# --- review findings ------------------------------------------------------------------------
+def test_checked_trim_forgets_the_writes_of_the_pages_it_unmaps(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, checked=True))
+    a = s.activate(128, 64)
+    s.ensure_mapped(a, "main", 128)
+    step(s)
+    write_tokens(s, a, "main", 0, 128)
+    s.commit(a, "main", 64)
+    s.trim(a, "main")  # block 1 goes; mapped again below, it is a fresh, unwritten page
+    s.ensure_mapped(a, "main", 128)
+    step(s)
+    with pytest.raises(WritePermissionError, match="never wrote 64 .*first: 64"):
+        s.commit(a, "main", 128)
+    s.close()
+
+
+def test_metadata_that_msgpack_cannot_hold_is_a_typed_refusal(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 64)
+    deep: list = []
+    for _ in range(2000):
+        deep = [deep]
+    assert_refusals_change_nothing(s, [
+        (InvalidArgument, "msgpack-encodable", lambda: s.set_metadata(ck, 2 ** 70)),
+        (InvalidArgument, "msgpack-encodable", lambda: s.set_metadata(ck, deep)),
+    ])
+    s.close()
+
+
+def test_survives_restart_is_what_a_reopen_keeps(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))  # in-memory arena
+    empty = s.activate(0, 64)
+    step(s)
+    empty = s.finish(empty, retain=True)  # no pages: nothing to lose
+    full = checkpoint_at(s, 64)
+    s.offload(full)
+    step(s)
+    said = {ck: s.checkpoint_info(ck).survives_restart for ck in (empty, full)}
+    s.close()
+    s2 = KVStore.open(s.config)
+    assert said == {ck: ck in s2.recovery.kept for ck in (empty, full)} == {empty: True,
+                                                                            full: False}
+    s2.close()
+
+
+def test_metadata_of_one_boundary_fits_one_record(tmp_path: Path) -> None:
+    """Review suspicion, confirmed by construction: 1 MiB blobs queued without a boundary
+    could exceed the 256 MiB record a reader accepts; the command refuses first."""
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 64)
+    blob = b"x" * (METADATA_MAX - 16)
+    for _ in range(METADATA_PER_RECORD // len(blob)):
+        s.set_metadata(ck, blob)
+    assert_refusals_change_nothing(s, [
+        (InvalidArgument, "METADATA_PER_RECORD", lambda: s.set_metadata(ck, blob)),
+    ])
+    step(s)
+    s.set_metadata(ck, blob)  # a new boundary, a new budget
     s.close()

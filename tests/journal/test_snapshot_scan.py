@@ -22,8 +22,8 @@ from ninfer_kv.journal.format import (
     parse_snapshot,
     snapshot_name,
 )
-from ninfer_kv.journal.log import Journal
-from ninfer_kv.journal.recovery import snapshot_segment
+from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
+from ninfer_kv.journal.recovery import scan, snapshot_segment
 from tests.journal.crashfs import CrashFS
 from tests.journal.test_journal import Counter, D, _apply, _recover, batch, write_log
 
@@ -182,3 +182,55 @@ def test_a_torn_tail_after_the_snapshot_is_cut_on_disk() -> None:
     st, end = _recover(fs)
     assert end == 79 and st == reference(79)
     assert len(fs.read(last)) < torn, "recovery with repair=True must cut the torn bytes"
+
+
+def test_compaction_keeps_what_the_older_snapshot_needs() -> None:
+    """Review finding: compaction read the log from the newest snapshot only and removed the
+    segments the older one needs; a damaged newest snapshot then left nothing to recover."""
+    fs = CrashFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    j.write_snapshot(msgspec.msgpack.encode(reference(40)))
+    for s in range(41, 81):
+        j.append(batch(s))
+    j.write_snapshot(msgspec.msgpack.encode(reference(80)))
+    for s in range(81, 91):
+        j.append(batch(s))
+    assert j.compact() > 0
+    j.close()
+    fs.files[os.path.join(D, snapshot_name(80))].durable[50] ^= 1  # the newest is damaged
+    st, last = _recover(fs)
+    assert last == 90 and st == reference(90)
+
+
+def test_a_durable_record_proves_the_non_durable_ones_before_it() -> None:
+    """Review finding: under sync=commit a durable record written after non-durable ones
+    carried a stale durable_seq, so damage in those let recovery cut the acknowledged durable
+    record as a torn tail. Now it is mid-log corruption."""
+    fs = CrashFS()
+    j = Journal.open(D, CODEC, JournalOptions(sync=SyncPolicy.COMMIT), fs=fs)
+    j.append(batch(1))
+    j.append(batch(2), durable=False)
+    j.append(batch(3))  # acknowledged durable
+    assert j.durable_seq == 3
+    j.close()
+    seg = segs(fs)[-1]
+    data = fs.read(seg)
+    second = data.index(CODEC.encode(batch(2)))  # inside record 2's payload
+    fs.files[seg].durable[second + 3] ^= 0xFF
+    with pytest.raises(JournalCorrupt, match="proves seq 2"):
+        scan(D, schema_major=1, fs=fs)
+
+
+def test_a_record_no_reader_would_accept_is_never_written(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    from ninfer_kv.errors import JournalError
+    from ninfer_kv.journal import log
+
+    monkeypatch.setattr(log, "MAX_PAYLOAD", 64)
+    fs = CrashFS()
+    j = write_log(fs, 2)
+    before = fs.read(segs(fs)[-1])
+    with pytest.raises(JournalError, match="MAX_PAYLOAD=64; nothing was written"):
+        j.append_payload(b"y" * 65)
+    assert fs.read(segs(fs)[-1]) == before and j.last_seq == 2
+    assert j.append(batch(3)) == 3  # the journal is still usable

@@ -95,3 +95,18 @@ def test_warmup_runs_every_kernel_of_a_profile() -> None:
                          timeout=600, check=True)
     profiles, compiled = json.loads(out.stdout.strip().splitlines()[-1])
     assert profiles == ["bf16"] and all(n >= 1 for n in compiled), compiled
+
+
+def test_an_unwritable_cache_dir_never_falls_back_beside_the_sources(tmp_path: Path) -> None:
+    """Review finding: numba's own fallback (the package's __pycache__) checks only the
+    defining file's timestamp; a private temporary directory is used instead."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    code = ("from ninfer_kv.kernels import copy, jit\n"
+            "print(copy._copy_cpu._cache._cache_path)\nprint(jit.KERNELS)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True,
+                         env={**os.environ, "NINFER_KV_JIT_CACHE": str(blocked / "cache")})
+    path, kernels = out.stdout.strip().splitlines()[-2:]
+    assert not path.startswith(kernels) and "ninfer-kv-numba-" in path
+    assert "jit.cache_unwritable" in out.stderr
