@@ -175,7 +175,7 @@ def test_crash_keeps_everything_synced_and_nothing_garbled() -> None:
         written_batches = {}
         for s in range(1, n + 1):
             written_batches[s] = batch(s, rng.randint(0, 9))
-            j.append(written_batches[s])
+            j.append(written_batches[s], durable=rng.random() < 0.6)  # commit: marked only
             if rng.random() < 0.1:
                 j.sync()
         durable, written = j.durable_seq, j.last_seq
