@@ -2,7 +2,8 @@
 token (``activate_from(ck, frontier, ...)`` can continue at any token, spec §9).
 
 Keys are chained block hashes: ``h_1 = H(seed, block_0)``, ``h_k = H(h_{k-1}, block_{k-1})``
-over blocks of ``block`` tokens (default 64 = P), so a key stands for a whole prefix. A
+over blocks of ``block`` tokens (default 64 = P), so a key stands for a whole prefix.
+``PrefixIndex.vllm()`` uses vLLM's own block hash (sha256), so keys match vLLM's. A
 lookup hashes the query block by block and stops at the first key no checkpoint holds (cost
 O(query blocks)); among the checkpoints holding the longest matched chain it compares the next,
 partial block token by token. The answer is then checked token for token against the
@@ -16,6 +17,8 @@ frontier — the engine's responsibility, checked by ``from_store``).
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,22 @@ SEED = b"ninfer-kv prefix index v1"
 def blake2b_chain(parent: bytes, block: bytes) -> bytes:
     """The default chain hash: BLAKE2b-128 of the parent key and the block's int32 bytes."""
     return hashlib.blake2b(parent + block, digest_size=16).digest()
+
+
+def vllm_sha256_chain(parent: bytes, block: bytes) -> bytes:
+    """vLLM's block hash with its default ``sha256`` algorithm (``hash_block_tokens``, v1):
+    SHA-256 of the pickled ``(parent hash, tuple of token ids, None)``, no extra keys."""
+    tokens = tuple(int(t) for t in np.frombuffer(block, dtype="<i4"))
+    return hashlib.sha256(pickle.dumps((parent, tokens, None),
+                                       protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def vllm_none_hash(seed: str | None = None) -> bytes:
+    """vLLM's ``NONE_HASH`` (the first block's parent) for ``sha256``: from
+    ``$PYTHONHASHSEED`` if set, else the fixed seed ``"vllm-none-hash"``."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+    return hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +79,10 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, block: int = 64, chain: Any = blake2b_chain) -> None:
+    def __init__(self, block: int = 64, chain: Any = blake2b_chain, seed: bytes = SEED) -> None:
         self.block = as_int("block", block, lo=1)
         self._chain_fn = chain
+        self._seed = bytes(seed)
         self._holders: dict[bytes, dict[int, None]] = {}  # ordered: newest holder last
         self._tokens: dict[int, np.ndarray] = {}
         self._keys: dict[int, list[bytes]] = {}
@@ -73,9 +93,19 @@ class PrefixIndex:
     def __contains__(self, checkpoint: object) -> bool:
         return checkpoint in self._tokens
 
+    @classmethod
+    def vllm(cls, block: int = 16, hash_seed: str | None = None) -> PrefixIndex:
+        """An index whose keys are vLLM's block hashes (sha256, no extra keys), so the KV
+        events an engine publishes from ``block_hashes`` line up with vLLM-aware routers."""
+        return cls(block, vllm_sha256_chain, vllm_none_hash(hash_seed))
+
+    def block_hashes(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The chained key of every full block of ``tokens`` (what ``add`` indexes)."""
+        return self._chain(_as_tokens(tokens, "block_hashes"))
+
     def _chain(self, tokens: np.ndarray) -> list[bytes]:
         keys: list[bytes] = []
-        h, b = SEED, self.block
+        h, b = self._seed, self.block
         for i in range(len(tokens) // b):
             h = self._chain_fn(h, tokens[i * b:(i + 1) * b].tobytes())
             keys.append(h)
@@ -107,7 +137,7 @@ class PrefixIndex:
         """The checkpoint sharing the longest prefix with ``tokens`` (the newest one among
         equals), or None when none shares a token."""
         q = _as_tokens(tokens, "lookup")
-        b, h, k = self.block, SEED, 0
+        b, h, k = self.block, self._seed, 0
         candidates: Any = self._tokens  # k == 0: every checkpoint
         for i in range(len(q) // b):
             key = self._chain_fn(h, q[i * b:(i + 1) * b].tobytes())

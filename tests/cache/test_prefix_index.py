@@ -155,3 +155,17 @@ def test_from_store_skips_checkpoints_without_tokens(tmp_path: Path) -> None:
     assert ck in idx and other not in idx
     assert idx.lookup(list(range(100))) == Match(ck, 64)
     s.close()
+
+
+def test_vllm_compatible_keys() -> None:
+    """Vectors printed by vLLM 0.33.0 itself (vllm.v1.core.kv_cache_utils: init_none_hash
+    and hash_block_tokens with get_hash_fn_by_name("sha256"), PYTHONHASHSEED unset), for the
+    tokens 100..227 in blocks of 64 (../shared/bench harness sources)."""
+    idx = PrefixIndex.vllm(block=64, hash_seed="vllm-none-hash")
+    assert idx._seed.hex() == ("066b1e8987e027138e98701c46128929"
+                               "378935f9b6cd1549105ae6b4f0d71198")
+    h1, h2 = idx.block_hashes(list(range(100, 228)))
+    assert h1.hex() == "59a41b688f168cd9210428c6b255a2277c4e43da8075d87b248f26e36a11a2cd"
+    assert h2.hex() == "87797cce40bc899a210c476279b129e46173c18a0fd31e8afa53f81c2c443d6d"
+    idx.add(3, list(range(100, 228)))
+    assert idx.lookup(list(range(100, 200))) == Match(3, 100)
