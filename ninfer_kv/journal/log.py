@@ -145,6 +145,16 @@ class Journal:
         self._seg_records = 0
         log.debug("journal.segment", segment=self._seg_no, first_seq=self.last_seq + 1)
 
+    def _end_segment(self) -> None:
+        """Close the current (synced) segment and start the next; fatal on error."""
+        f = self._check()
+        self._file = None
+        try:
+            f.close()
+        except OSError as exc:
+            self._fail(f"closing segment {self._seg_no}: {exc}")
+        self._start_segment()
+
     def _fail(self, why: str) -> None:
         self._failed = why
         log.error("journal.failed", reason=why)
@@ -179,8 +189,7 @@ class Journal:
         if (self._seg_records and f.tell() + len(payload) + FRAME_OVERHEAD
                 > self.options.segment_bytes):
             self.sync()
-            f.close()
-            self._start_segment()
+            self._end_segment()
             f = self._check()
         seq = self.last_seq + 1
         frame, crc = pack_record(seq, self.last_crc, self._salt, self.durable_seq, payload)
@@ -248,10 +257,7 @@ class Journal:
                 log.warning("journal.snapshot_not_removed", path=old, error=str(exc))
         log.info("journal.snapshot", seq=self.last_seq, bytes=len(payload))
         if self._seg_records:
-            f = self._check()
-            f.close()
-            self._file = None
-            self._start_segment()
+            self._end_segment()
         return path
 
     def compact(self, accept: Callable[[bytes], bool] = lambda payload: True) -> int:

@@ -234,3 +234,19 @@ def test_a_record_no_reader_would_accept_is_never_written(monkeypatch: pytest.Mo
         j.append_payload(b"y" * 65)
     assert fs.read(segs(fs)[-1]) == before and j.last_seq == 2
     assert j.append(batch(3)) == 3  # the journal is still usable
+
+
+def test_a_failed_close_when_a_segment_ends_stops_the_journal() -> None:
+    from ninfer_kv.errors import JournalFailed
+
+    fs = CrashFS()
+    j = write_log(fs, 3)
+
+    def broken_close() -> None:
+        raise OSError(5, "EIO")
+
+    j._file.close = broken_close  # type: ignore[union-attr,method-assign]
+    with pytest.raises(JournalFailed, match="closing segment"):
+        j.write_snapshot(msgspec.msgpack.encode(reference(3)))
+    with pytest.raises(JournalFailed):
+        j.append(batch(4))
