@@ -102,7 +102,7 @@ def check_commit(store: Txn, pool: str, bundles: list[int], frontiers: list[int]
 
 
 def forget(store: Txn, pool: str, bundle: int, frontier: int = 0) -> None:
-    """Writes at or above ``frontier`` no longer count (truncate, finish)."""
+    """Writes at or above ``frontier`` no longer count (truncate, trim, finish)."""
     for key in [k for k in store._written if k[0] == pool and k[1] == bundle]:
         if frontier:
             store._written[key].difference_update(
