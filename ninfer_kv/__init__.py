@@ -36,7 +36,7 @@ _EXPORTS = {
     "append_kv": "ninfer_kv.kernels.append",
     "paged_decode": "ninfer_kv.kernels.attention",
     "paged_prefill": "ninfer_kv.kernels.attention",
-    "paged_prefill_varlen": "ninfer_kv.kernels.attention",
+    "paged_prefill_varlen": "ninfer_kv.kernels.prefill",
     "warmup": "ninfer_kv.kernels.warmup",
 }
 

@@ -292,39 +292,3 @@ def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: t
     out = paged_decode(q.reshape(n_rows * t, hq, d), view, rows, ctx, **kw)
     return out.view(n_rows, t, hq, d)
 
-
-def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
-                         cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                         **kw: Any) -> torch.Tensor:
-    """Ragged (FlashInfer-style) causal prefill: sequence ``b`` owns queries
-    ``q[cu_seqlens[b]:cu_seqlens[b+1]]`` (its last ``n_b`` tokens, already appended) and has
-    ``context_lens[b]`` tokens in all, so its query ``i`` sees positions
-    ``[0, context_lens[b] - n_b + i]``. ``q`` [total, Hq, D]; ``table_rows``,
-    ``context_lens`` [B]; ``cu_seqlens`` [B + 1] from 0 to total. A mixed prefill + decode
-    batch is one call (a decode row has n_b = 1). Runs as per-query decode (no query tiling
-    yet), so it equals ``paged_prefill`` on the same queries bit for bit."""
-    check_values(q, "q", "paged_prefill_varlen", 3)
-    check_index(table_rows, "table_rows", "paged_prefill_varlen")
-    check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
-    check_index(context_lens, "context_lens", "paged_prefill_varlen")
-    b = table_rows.shape[0]
-    if cu_seqlens.shape != (b + 1,) or context_lens.shape != (b,):
-        raise InvalidArgument(f"paged_prefill_varlen: table_rows {tuple(table_rows.shape)}, "
-                              f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens "
-                              f"{tuple(context_lens.shape)}: want [B], [B + 1], [B]")
-    cu = cu_seqlens.to(torch.int64).cpu()
-    n = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((n < 0).any()):
-        raise InvalidArgument(f"paged_prefill_varlen: cu_seqlens {cu.tolist()} must rise from "
-                              f"0 to the {q.shape[0]} queries")
-    ctx = context_lens.to(torch.int64).cpu()
-    short = torch.nonzero(ctx < n)
-    if short.numel():
-        i = int(short[0, 0])
-        raise InvalidArgument(f"paged_prefill_varlen: sequence {i} has {int(n[i])} queries but "
-                              f"context_lens={int(ctx[i])} (its queries' own tokens count)")
-    seq = torch.repeat_interleave(torch.arange(b), n)
-    within = torch.arange(q.shape[0]) - cu[:-1][seq]
-    per_query = (ctx[seq] - n[seq] + within + 1).to(torch.int32).to(context_lens.device)
-    rows = table_rows.to(torch.int32)[seq.to(table_rows.device)]
-    return paged_decode(q, view, rows, per_query, **kw)

@@ -1,9 +1,10 @@
 """Compile the CPU kernels at start-up instead of on the first request.
 
-``warmup(profiles)`` runs ``append_kv``, ``paged_decode``, ``paged_prefill`` and a page copy
-once on a one-page store of each profile: the first process on a machine compiles them (10-25 s
-per profile) and caches the machine code (kernels/jit.py); every later process loads it in a
-fraction of a second. An engine calls it before serving so no request waits for the JIT.
+``warmup(profiles)`` runs ``append_kv``, ``paged_decode``, ``paged_prefill``,
+``paged_prefill_varlen`` and a page copy once on a one-page store of each profile: the first
+process on a machine compiles them (6-9 s per profile) and caches the machine code
+(kernels/jit.py); every later process loads it in a fraction of a second. An engine calls it
+before serving so no request waits for the JIT.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ninfer_kv.engine.layout import Profile
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode, paged_prefill
+from ninfer_kv.kernels.prefill import paged_prefill_varlen
 
 
 def warm_profile(profile: Profile | str) -> None:
@@ -38,6 +40,9 @@ def warm_profile(profile: Profile | str) -> None:
             paged_decode(torch.zeros(1, 1, 64), view, rows, torch.tensor([2], dtype=torch.int32))
             paged_prefill(torch.zeros(1, 2, 1, 64), view, rows,
                           torch.tensor([0], dtype=torch.int32))
+            paged_prefill_varlen(torch.zeros(2, 1, 64), view, rows,
+                                 torch.tensor([0, 2], dtype=torch.int32),
+                                 torch.tensor([2], dtype=torch.int32))
         page = store.state.pools["main"].pages[store.space(a).members[0]]
         assert page is not None
         free = store.state.pools["main"].free_pages[0]

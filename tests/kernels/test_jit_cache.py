@@ -87,10 +87,11 @@ def test_the_kernels_and_warmup_are_exported() -> None:
 def test_warmup_runs_every_kernel_of_a_profile() -> None:
     """In a fresh process (kernels compiled by other tests here would hide a gap)."""
     code = ("import json, ninfer_kv\n"
-            "from ninfer_kv.kernels import append, attention, copy\n"
+            "from ninfer_kv.kernels import append, attention, copy, prefill\n"
             "s = ninfer_kv.warmup(['bf16'])\n"
             "print(json.dumps([list(s), [len(k.signatures) for k in "
-            "(append._append_cpu, attention._decode_cpu, copy._copy_cpu)]]))")
+            "(append._append_cpu, attention._decode_cpu, copy._copy_cpu, "
+            "prefill._prefill_cpu)]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True)
     profiles, compiled = json.loads(out.stdout.strip().splitlines()[-1])

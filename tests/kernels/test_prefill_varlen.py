@@ -34,12 +34,38 @@ def test_ragged_equals_per_sequence_prefill(profile: Profile) -> None:
     ctx = [70, 130, 5]
     q = torch.randn(sum(n), HQ, D, generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 3, 67, 68], dtype=torch.int32)
-    got = paged_prefill_varlen(q, view, rows, cu, torch.tensor(ctx, dtype=torch.int32))
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    per_query = paged_prefill_varlen(q, view, rows, cu, ctx_t, tiled=False)
     want = torch.cat([
         paged_prefill(q[int(cu[i]):int(cu[i + 1])].unsqueeze(0), view, rows[i:i + 1],
                       torch.tensor([ctx[i] - n[i]], dtype=torch.int32))[0]
         for i in range(3)])
-    assert torch.equal(got, want)
+    assert torch.equal(per_query, want)  # the same kernel, the same queries: bit for bit
+    tiled = paged_prefill_varlen(q, view, rows, cu, ctx_t)  # each K/V row once per tile
+    assert torch.allclose(tiled, want, rtol=1e-5, atol=1e-5), (tiled - want).abs().max()
+
+
+def test_tiled_prefill_matches_a_float64_reference() -> None:
+    """The tiled path against plain softmax attention over the dequantized K/V."""
+    from tests.kernels.helpers import read_kv
+
+    view = filled_view(Profile.BF16)
+    rows = torch.tensor([1, 2], dtype=torch.int32)
+    n, ctx = [20, 2], [90, 40]
+    q = torch.randn(sum(n), HQ, D, generator=torch.Generator().manual_seed(2))
+    out = paged_prefill_varlen(q, view, rows, torch.tensor([0, 20, 22], dtype=torch.int32),
+                               torch.tensor(ctx, dtype=torch.int32))
+    start = 0
+    for b in range(2):
+        k, v = (t.double().repeat_interleave(HQ // HKV, 1) for t in read_kv(view, int(rows[b]),
+                                                                             ctx[b]))
+        for i in range(n[b]):
+            lim = ctx[b] - n[b] + i + 1
+            w = torch.softmax(torch.einsum("hd,thd->ht", q[start + i].double(), k[:lim])
+                              / D ** 0.5, -1)
+            want = torch.einsum("ht,thd->hd", w, v[:lim])
+            assert torch.allclose(out[start + i].double(), want, atol=2e-5), (b, i)
+        start += n[b]
 
 
 def test_ragged_refusals() -> None:
