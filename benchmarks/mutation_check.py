@@ -97,7 +97,8 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "engine/continuation.py", "engine/host.py", "engine/growth.py",
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
-                 "journal/reader.py", "kernels/checks.py", "kernels/append.py")
+                 "journal/reader.py", "kernels/checks.py", "kernels/append.py",
+                 "kernels/prefill.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -138,7 +139,8 @@ JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py
            "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py"]
-KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/engine/test_trust_isolation.py",
+KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_prefill_varlen.py",
+           "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
            "tests/kernels/test_kernels_cpu.py"]

@@ -87,5 +87,9 @@ def test_ragged_refusals() -> None:
         call([0, 4])
     with pytest.raises(InvalidArgument, match="sequence 1 has 3 queries but context_lens=2"):
         call([0, 1, 4], torch.tensor([10, 2], dtype=torch.int32))
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    for bad in (torch.randn(4, 3, D), torch.randn(4, HQ, 32)):  # Hq % H != 0; another D
+        with pytest.raises(InvalidArgument, match="vs view heads=2 head_dim=64"):
+            paged_prefill_varlen(bad, view, rows, cu, ctx)
     with pytest.raises(InvalidArgument, match="must be an integer tensor"):
         paged_prefill_varlen(q, view, rows, torch.tensor([0.0, 1.0, 4.0]), ctx)
