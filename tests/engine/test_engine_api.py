@@ -108,11 +108,17 @@ def test_metrics_count_what_happened(tmp_path: Path) -> None:
 
 
 # --- checked mode: commit covers only what every layer wrote -------------------------------
-def test_checked_commit_needs_every_layer_written(tmp_path: Path) -> None:
-    s = KVStore.open(small_config(tmp_path, checked=True))
-    a = s.activate(100, 50)
-    s.ensure_mapped(a, "main", 100)
+def mapped(tmp_path: Path, tokens: int, checked: bool) -> tuple[KVStore, int]:
+    """A store with one active sequence whose ``tokens`` are mapped and published."""
+    s = KVStore.open(small_config(tmp_path, checked=checked))
+    a = s.activate(tokens, 64)
+    s.ensure_mapped(a, "main", tokens)
     step(s)
+    return s, a
+
+
+def test_checked_commit_needs_every_layer_written(tmp_path: Path) -> None:
+    s, a = mapped(tmp_path, 100, checked=True)
     rows = torch.full((100,), s.space(a).row, dtype=torch.int32)
     pos = torch.arange(100)
     s.batch_view("main", 0).guard(rows, pos)  # type: ignore[misc]  # layer 0 only
@@ -134,10 +140,7 @@ def test_checked_commit_needs_every_layer_written(tmp_path: Path) -> None:
 
 
 def test_an_unchecked_store_trusts_the_commit(tmp_path: Path) -> None:
-    s = KVStore.open(small_config(tmp_path))
-    a = s.activate(100, 50)
-    s.ensure_mapped(a, "main", 100)
-    step(s)
+    s, a = mapped(tmp_path, 100, checked=False)
     s.commit(a, "main", 100)  # nothing was written: accepted (the caller's promise, §8.1)
     assert s.space(a).committed == 100
     s.close()
@@ -145,10 +148,7 @@ def test_an_unchecked_store_trusts_the_commit(tmp_path: Path) -> None:
 
 # --- review findings ------------------------------------------------------------------------
 def test_checked_trim_forgets_the_writes_of_the_pages_it_unmaps(tmp_path: Path) -> None:
-    s = KVStore.open(small_config(tmp_path, checked=True))
-    a = s.activate(128, 64)
-    s.ensure_mapped(a, "main", 128)
-    step(s)
+    s, a = mapped(tmp_path, 128, checked=True)
     write_tokens(s, a, "main", 0, 128)
     s.commit(a, "main", 64)
     s.trim(a, "main")  # block 1 goes; mapped again below, it is a fresh, unwritten page
