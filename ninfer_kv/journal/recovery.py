@@ -277,16 +277,18 @@ def snapshot_segment(directory: str, schema_major: int, fs: FileSystem = OS_FS) 
 
 
 def scan_from_snapshot(directory: str, *, schema_major: int, fs: FileSystem = OS_FS,
-                       salvage: bool = False) -> ScanResult | None:
+                       salvage: bool = False, check: bool = True) -> ScanResult | None:
     """``scan(repair=False)`` from the newest snapshot's segment on, if a snapshot on that
     partial log's CRC chain covers the segments it skips; else None (scan the whole log).
-    Records a usable snapshot covers are not read, as if compacted."""
+    Records a usable snapshot covers are not read, as if compacted. ``check=False``: the
+    caller looks for a usable snapshot itself (and falls back to the whole log)."""
     first = snapshot_segment(directory, schema_major, fs)
     if first is None:
         return None
     res = scan(directory, schema_major=schema_major, fs=fs, salvage=salvage, repair=False,
                first_segment=first)
-    if any(not isinstance(s, str) for s in usable_snapshots(directory, res, schema_major, fs)):
+    if not check or any(not isinstance(s, str)
+                        for s in usable_snapshots(directory, res, schema_major, fs)):
         return res
     return None
 
@@ -314,7 +316,7 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
         return scan(directory, schema_major=schema_major, fs=fs, salvage=salvage, repair=repair)
 
     partial = None if scan_result is not None else scan_from_snapshot(
-        directory, schema_major=schema_major, fs=fs, salvage=salvage)
+        directory, schema_major=schema_major, fs=fs, salvage=salvage, check=False)
     res = scan_result or partial or full()
     skipped = [] if skipped is None else skipped
     found = _load_snapshot(directory, res, schema_major, fs, load_snapshot)

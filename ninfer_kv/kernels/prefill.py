@@ -150,7 +150,7 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     if total:
         _prefill_cpu(dev_view(q.float().contiguous()), dev_view(kc), dev_view(ks), dev_view(vc),
                      dev_view(vs), k_id, v_id, dev_view(view.block_tables),
-                     table_rows.to(torch.int32).numpy(), np.ascontiguousarray(item[:, 0]),
+                     table_rows.to(torch.int32).cpu().numpy(), np.ascontiguousarray(item[:, 0]),
                      np.ascontiguousarray(item[:, 1]), np.ascontiguousarray(item[:, 2]),
                      starts.numpy(), n.numpy(), ctx.numpy(),
                      np.float32(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
