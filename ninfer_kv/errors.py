@@ -123,3 +123,8 @@ class HostArenaError(StateError):
 
 class InjectedFault(KVStoreError):
     """Raised by the fault-injection hook in tests; never in production paths."""
+
+
+class UnsupportedOperation(KVStoreError, NotImplementedError):
+    """A request outside what a component supports (e.g. beam-search row reordering in the
+    transformers cache); the message says what to use instead."""

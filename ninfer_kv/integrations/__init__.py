@@ -1,0 +1,1 @@
+"""Adapters to inference frameworks (optional extras): ``integrations.transformers``."""

@@ -1,0 +1,297 @@
+"""transformers drop-in: a ``Cache`` backed by a ``KVStore`` and an attention backend over it.
+
+    from ninfer_kv.integrations.transformers import NinferKVCache, register, store_config_for
+    register()                                          # attn_implementation "ninfer_kv"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ninfer_kv")
+    store = KVStore.open(store_config_for(cfg, max_context=4096, max_concurrency=8))
+    cache = NinferKVCache(store, max_new_tokens=64)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    checkpoints = cache.finish(retain=True)             # one retained checkpoint per row
+
+How it maps onto the store. One ``generate`` row is one sequence (``activate``, or
+``activate_from`` a retained checkpoint with ``prefix=(checkpoint, frontier)``). One model
+forward is one GPU unit (§8.4): at layer 0's attention the cache maps the row's new tokens
+(``ensure_mapped_many``) and closes the boundary; every layer appends its K/V with
+``append_kv`` and attends with ``paged_prefill_varlen`` / ``paged_decode``; after the last
+layer the unit completes and ``commit_many`` advances the frontiers.
+
+Padding. A token is stored iff its ``attention_mask`` bit is 1, at the position equal to the
+number of real tokens of its row before it — exactly the ``position_ids`` that ``generate``
+derives from the mask (cumsum - 1), so left-padded batches need nothing else. transformers'
+own bookkeeping (``get_seq_length``, mask sizes) counts padded columns, like ``DynamicCache``;
+the store's frontiers count real tokens only.
+
+The attention function finds its cache through a context variable that ``Cache.update`` sets
+(models call ``cache.update`` for a layer right before that layer's attention), and checks
+that the layer and the batch match. Beam search (``reorder_cache``) and ``crop`` are refused.
+Tested with transformers 5.x (``pip install ninfer-kv[hf]``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
+from ninfer_kv.engine.config import StoreConfig
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import InvalidArgument, UnsupportedOperation
+from ninfer_kv.kernels.append import append_kv
+from ninfer_kv.kernels.attention import paged_decode
+from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+log = structlog.get_logger(__name__)
+
+ATTN_IMPLEMENTATION = "ninfer_kv"
+_CURRENT: contextvars.ContextVar[NinferKVCache | None] = contextvars.ContextVar(
+    "ninfer_kv_cache", default=None)
+
+
+def register() -> None:
+    """Register ``attn_implementation="ninfer_kv"``: our attention function, and the 2D
+    padding mask (FlashAttention's mask function) instead of a 4D additive mask."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ninfer_kv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+def store_config_for(model_config: Any, *, max_context: int, max_concurrency: int,
+                     profile: str = "bf16", kv_tokens: int | None = None,
+                     **store: Any) -> StoreConfig:
+    """A ``StoreConfig`` whose geometry is the model's: layers, KV heads, head dim. Default
+    ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``)."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    geometry = ModelGeometry(layers=model_config.num_hidden_layers,
+                             kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+                             head_dim=head_dim, profile=profile, mtp_layers=0)
+    serving = ServingConfig(max_context=max_context, max_concurrency=max_concurrency)
+    if kv_tokens is None:
+        kv_tokens = max_context * max_concurrency
+    return StoreConfig(model=geometry, serving=serving, kv_tokens=kv_tokens, **store)
+
+
+class _Columns(CacheLayerMixin):
+    """transformers' view of one layer: how many columns (padding included) were seen. The
+    K/V themselves live in the store's pages."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, seen: int = 0) -> None:
+        super().__init__()
+        self.seen = seen
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise UnsupportedOperation("NinferKVCache.reset: finish() the sequences and make a new "
+                                   "cache instead")
+
+
+class NinferKVCache(Cache):
+    """A transformers ``Cache`` whose K/V live in ``store`` (pool ``pool``), one active
+    sequence per batch row, created at the first forward.
+
+    ``max_new_tokens`` is each row's output budget (its entitlement, §6: prompt + output
+    tokens); default: up to ``max_context``. ``prefix=(checkpoint, frontier)`` continues every
+    row from a retained checkpoint's first ``frontier`` tokens (Fork or Move, §10): the
+    ``input_ids`` given to ``generate`` must start with those tokens, and only the rest is
+    computed."""
+
+    def __init__(self, store: KVStore, *, max_new_tokens: int | None = None,
+                 prefix: tuple[int, int] | None = None, pool: str = "main") -> None:
+        seen = 0
+        if prefix is not None:
+            ck, frontier = (operator.index(x) for x in prefix)
+            info = store.checkpoint_info(ck)
+            if not 0 < frontier <= info.frontier:
+                raise InvalidArgument(f"NinferKVCache: prefix frontier {frontier} outside "
+                                      f"checkpoint {ck}'s (0, {info.frontier}]")
+            prefix, seen = (ck, frontier), frontier
+        self.store = store
+        self.pool = pool
+        self.prefix = prefix
+        self.max_new_tokens = None if max_new_tokens is None else operator.index(max_new_tokens)
+        self.seqs: list[int] = []
+        self._unit: _Unit | None = None
+        self._layer = -1
+        super().__init__(layers=[_Columns(seen) for _ in range(store.config.model.layers)])
+
+    # --- transformers' Cache API ------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._layer = layer_idx
+        _CURRENT.set(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedOperation("NinferKVCache: beam search reorders rows; fork sequences "
+                                   "with store.activate_from instead")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedOperation("NinferKVCache.crop: use store.truncate on the sequences")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedOperation("NinferKVCache: num_return_sequences > 1 / beams need one "
+                                   "sequence per row; give generate the repeated batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise UnsupportedOperation("NinferKVCache: selecting rows would drop sequences")
+
+    # --- the store's side -------------------------------------------------------------------------
+    def finish(self, retain: bool = False) -> list[int | None]:
+        """Finish every row's sequence (§10); with ``retain`` each becomes an immutable
+        checkpoint, returned in row order, that ``prefix=`` can continue later."""
+        if self._unit is not None:
+            raise InvalidArgument("NinferKVCache.finish: a forward is in flight")
+        out = [self.store.finish(s, retain=retain) for s in self.seqs]
+        self.seqs = []
+        return out
+
+    def frontiers(self) -> list[int]:
+        """Committed tokens of each row's sequence (real tokens; padding excluded)."""
+        return [self.store.checkpoint_info(s).frontier for s in self.seqs]
+
+    def _admit(self, new: torch.Tensor) -> None:
+        limit = self.store.config.serving.max_context
+        for n in new.tolist():
+            prompt = n + (self.prefix[1] if self.prefix else 0)
+            out = limit - prompt if self.max_new_tokens is None else self.max_new_tokens
+            if self.prefix is None:
+                self.seqs.append(self.store.activate(prompt, out))
+            else:
+                self.seqs.append(self.store.activate_from(self.prefix[0], self.prefix[1],
+                                                          prompt, out))
+        log.debug("hf_admit", rows=len(self.seqs), prefix=self.prefix)
+
+    def _begin(self, query: torch.Tensor, mask: torch.Tensor | None) -> _Unit:
+        """Layer 0: which columns are real, map them, close the boundary."""
+        b, _, t, _ = query.shape
+        real = torch.ones(b, t, dtype=torch.bool) if mask is None else mask[:, -t:].cpu().bool()
+        if mask is not None and self.prefix is not None and not self.seqs and \
+                not bool(mask[:, :-t].all()):
+            raise InvalidArgument("NinferKVCache: the reused prefix columns must not be padding")
+        new = real.sum(1)
+        if not self.seqs:
+            self._admit(new)
+        if len(self.seqs) != b:
+            raise InvalidArgument(f"NinferKVCache: batch of {b} rows, cache holds "
+                                  f"{len(self.seqs)} sequences")
+        start = torch.tensor(self.frontiers(), dtype=torch.int64)
+        end = start + new
+        self.store.ensure_mapped_many(self.pool, self.seqs, end.tolist())
+        self.store.close_boundary()
+        try:
+            unit = _Unit.plan(self.store, self.pool, self.seqs, real, start, end)
+        except BaseException:
+            self.store.unit_complete()
+            raise
+        self._unit = unit
+        return unit
+
+    def _end(self, unit: _Unit) -> None:
+        self._unit = None
+        self.store.unit_complete()
+        self.store.commit_many(self.pool, self.seqs, unit.end.tolist())
+
+
+class _Unit:
+    """One forward's plan: the real tokens of each row, flattened in row order."""
+
+    def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
+                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
+                 active: torch.Tensor) -> None:
+        self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
+        self.cu, self.end, self.active = cu, end, active
+
+    @classmethod
+    def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
+             start: torch.Tensor, end: torch.Tensor) -> _Unit:
+        rows = store.table_rows(pool, seqs)
+        counts = end - start
+        row_of = torch.arange(len(seqs)).unsqueeze(1).expand_as(real)[real]
+        within = real.long().cumsum(1)[real] - 1
+        active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
+        cu = torch.zeros(len(active) + 1, dtype=torch.int32)
+        cu[1:] = counts[active].cumsum(0)
+        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, end,
+                   active)
+
+    def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Append this layer's K/V of the real tokens, attend, and scatter back to
+        [B, T, Hq, D] (padding queries get zeros: nothing reads them)."""
+        view = store.batch_view(pool, layer)
+        real = self.real
+        k = key.transpose(1, 2)[real].float().contiguous()            # [N, Hkv, D]
+        v = value.transpose(1, 2)[real].float().contiguous()
+        q = query.transpose(1, 2)[real].float().contiguous()          # [N, Hq, D]
+        append_kv(view, self.flat_rows, self.positions, k, v)
+        rows, ctx = self.rows[self.active], self.end[self.active].to(torch.int32)
+        if q.shape[0] == len(self.active):                            # one token per row
+            o = paged_decode(q, view, rows, ctx, sm_scale=scaling)
+        else:
+            o = paged_prefill_varlen(q, view, rows, self.cu, ctx, sm_scale=scaling)
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        out[real] = o.to(query.dtype)
+        return out
+
+
+def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention backend: ``query`` [B, Hq, T, D], ``key``/``value`` [B, Hkv, T, D]
+    (this forward's new columns, as ``NinferKVCache.update`` returned them), ``attention_mask``
+    the 2D padding mask or None. Returns [B, T, Hq, D]."""
+    cache = _CURRENT.get()
+    layer = getattr(module, "layer_idx", None)
+    if cache is None or layer != cache._layer:
+        raise InvalidArgument(f"ninfer_kv attention (layer {layer}): no NinferKVCache updated "
+                              "this layer; pass past_key_values=NinferKVCache(store) to the model")
+    if dropout:
+        raise UnsupportedOperation(f"ninfer_kv attention: dropout={dropout} (inference only)")
+    n_layers = len(cache.layers)
+    unit = cache._unit
+    if layer == 0:
+        if unit is not None:
+            raise InvalidArgument("ninfer_kv attention: layer 0 again before the last layer of "
+                                  "the previous forward")
+        unit = cache._begin(query, attention_mask)
+    elif unit is None:
+        raise InvalidArgument(f"ninfer_kv attention: layer {layer} before layer 0")
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    try:
+        out = unit.attend(cache.store, cache.pool, layer, query, key, value, scale)
+    except BaseException:
+        cache._unit = None
+        cache.store.unit_complete()
+        raise
+    if layer == n_layers - 1:
+        cache._end(unit)
+    return out, None

@@ -1,0 +1,160 @@
+"""transformers drop-in: ``generate`` through ``NinferKVCache`` gives the tokens of a
+``DynamicCache`` whose K/V are rounded by the same codec (tests/kernels/reference.py, the
+independent numpy codecs), for every profile; padding, prefix continuation, refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # the [hf] extra
+from transformers.cache_utils import DynamicLayer
+
+from ninfer_kv import KVStore
+from ninfer_kv.engine.layout import Profile
+from ninfer_kv.errors import InvalidArgument, UnsupportedOperation
+from ninfer_kv.integrations.transformers import NinferKVCache, register, store_config_for
+from tests.kernels import reference as ref
+
+LAYERS, D = 2, 64
+NEW = 10
+
+
+def _rounded(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """Each [D] row of ``x`` [B, H, T, D] through encode/decode of ``codec``."""
+    rows = x.detach().float().reshape(-1, x.shape[-1]).numpy()
+    out = np.stack([ref.decode_row(codec, *ref.encode_row(codec, r)) for r in rows])
+    return torch.from_numpy(out).reshape(x.shape).to(x.dtype)
+
+
+class RoundedLayer(DynamicLayer):
+    """A DynamicLayer that keeps K/V as the profile's codecs would store them."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__()
+        self.k_codec, self.v_codec = (c.value for c in profile.codecs)
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        return super().update(_rounded(key_states, self.k_codec),
+                              _rounded(value_states, self.v_codec), *args, **kwargs)
+
+
+def reference_cache(profile: Profile) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layers = [RoundedLayer(profile) for _ in range(LAYERS)]
+    cache.layer_class_to_replicate = None
+    return cache
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaConfig]:
+    register()
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=D, max_position_embeddings=512, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+    ours = LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+    ours.load_state_dict(base.state_dict())
+    ours.set_attn_implementation("ninfer_kv")
+    return base, ours, cfg
+
+
+def batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, t - n:] = torch.randint(1, 96, (n,), generator=g)
+        mask[i, t - n:] = 1
+    return ids, mask
+
+
+def generate(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:  # noqa: ANN001
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW,
+                             do_sample=False)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("profile", list(Profile), ids=[p.value for p in Profile])
+def test_generate_equals_rounded_dynamic_cache(models, profile: Profile) -> None:  # noqa: ANN001
+    base, ours, cfg = models
+    ids, mask = batch(1, [37, 70, 5])              # different lengths, left padding
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4,
+                                          profile=profile.value, checked=True))
+    cache = NinferKVCache(store, max_new_tokens=NEW)
+    got = generate(ours, ids, mask, cache)
+    want = generate(base, ids, mask, reference_cache(profile))
+    assert torch.equal(got, want), (got, want)
+    # real tokens only: prompt + the NEW - 1 generated tokens fed back
+    assert cache.frontiers() == [37 + NEW - 1, 70 + NEW - 1, 5 + NEW - 1]
+    store.check_invariants()
+    store.close()
+
+
+def test_unrounded_reference_differs_for_a_lossy_profile(models) -> None:  # noqa: ANN001
+    """The comparison can fail: NVFP4-rounded K/V change the logits the model sees."""
+    base, ours, cfg = models
+    ids, mask = batch(2, [40, 40])
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2,
+                                          profile="nvfp4-g16"))
+    with torch.no_grad():
+        cache = NinferKVCache(store, max_new_tokens=1)
+        a = ours(ids, attention_mask=mask, cache=cache).logits[:, -1]
+        b = base(ids, attention_mask=mask).logits[:, -1]
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_continuation_from_a_retained_checkpoint_mid_page(models) -> None:  # noqa: ANN001
+    base, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+    ids, mask = batch(3, [100])
+    first = NinferKVCache(store, max_new_tokens=NEW)
+    generate(ours, ids, mask, first)
+    (ck,) = first.finish(retain=True)
+    assert store.checkpoint_info(ck).frontier == 100 + NEW - 1
+    f = 70                                          # page 1, column 6: a partial tail (Fork)
+    tail = torch.randint(1, 96, (2, 25), generator=torch.Generator().manual_seed(4))
+    ids2 = torch.cat([ids[:, :f].expand(2, f), tail], 1)    # two rows share the prefix
+    mask2 = torch.ones_like(ids2)
+    before = store.metrics()
+    cache = NinferKVCache(store, max_new_tokens=NEW, prefix=(ck, f))
+    got = generate(ours, ids2, mask2, cache)
+    want = generate(base, ids2, mask2, reference_cache(Profile.BF16))
+    assert torch.equal(got, want), (got, want)
+    assert [store.checkpoint_info(s).parent for s in cache.seqs] == [ck, ck]
+    assert store.metrics().cow_copies > before.cow_copies      # the partial tail was copied
+    assert cache.frontiers() == [f + 25 + NEW - 1] * 2
+    cache.finish()
+    store.check_invariants()
+
+
+def test_refusals_leave_the_store_unchanged(models) -> None:  # noqa: ANN001
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    ids, mask = batch(5, [20])
+    first = NinferKVCache(store, max_new_tokens=2)
+    generate(ours, ids, mask, first)
+    (ck,) = first.finish(retain=True)
+    digest = store.digest()
+    with pytest.raises(InvalidArgument, match="frontier 500"):
+        NinferKVCache(store, prefix=(ck, 500))
+    with pytest.raises(InvalidArgument, match="no NinferKVCache"):
+        with torch.no_grad():
+            ours(ids, attention_mask=mask)          # ninfer_kv attention without our cache
+    with pytest.raises(UnsupportedOperation, match="beam"):
+        NinferKVCache(store).reorder_cache(torch.tensor([0]))
+    new = torch.randint(1, 96, (2, 10))
+    pmask = torch.ones(2, 5 + 10, dtype=torch.long)
+    pmask[1, :2] = 0                                # padding inside the reused prefix
+    with pytest.raises(InvalidArgument, match="prefix columns must not be padding"):
+        with torch.no_grad():
+            ours(new, attention_mask=pmask,
+                 cache=NinferKVCache(store, max_new_tokens=2, prefix=(ck, 5)))
+    assert store.digest() == digest
