@@ -103,6 +103,29 @@ def heads_per_block(grp: int) -> int:
 
 
 @functools.cache
+def warp_sum_fn(sim: bool) -> Any:
+    """Device function: the sum of ``v`` over the 32 lanes of a warp. Every thread of the
+    block must call it (the simulator has no shuffles: it reduces through shared ``buf``
+    [WARPS, 32] between two block barriers)."""
+
+    @cuda.jit(device=True)
+    def warp_sum(v, buf, warp, lane):  # noqa: ANN001
+        if sim:
+            buf[warp, lane] = v
+            cuda.syncthreads()
+            t = float32(0.0)
+            for i in range(32):
+                t += buf[warp, i]
+            cuda.syncthreads()
+            return t
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+        return v
+
+    return warp_sum
+
+
+@functools.cache
 def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> Any:
     """Block = (row, KV head x query-head chunk, split); 4 warps take tokens in turn, each lane
     holds ``ne`` = D/32 consecutive elements of q, k, v and acc for ``ng`` query heads;
@@ -114,19 +137,7 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
     sim = simulator()
     NE, NG, KC, VC = ne, ng, kcodec, vcodec  # noqa: N806 - compile-time constants
 
-    @cuda.jit(device=True)
-    def warp_sum(v, buf, warp, lane):  # noqa: ANN001
-        if sim:  # the simulator has no shuffles: reduce through shared memory
-            buf[warp, lane] = v
-            cuda.syncthreads()
-            t = float32(0.0)
-            for i in range(32):
-                t += buf[warp, i]
-            cuda.syncthreads()
-            return t
-        for off in (16, 8, 4, 2, 1):
-            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-        return v
+    warp_sum = warp_sum_fn(sim)
 
     @cuda.jit
     def kernel(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001

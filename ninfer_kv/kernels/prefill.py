@@ -8,8 +8,8 @@ has ``n_b = 1``).
 CPU: query-tiled. One work item is (sequence, KV head, tile of up to ``TILE`` queries); it
 dequantizes each K/V row of the tile's context once and applies it to every query of the tile
 (and every query head of the GQA group) with per-query causal limits and an online softmax, so
-a page is read once per tile instead of once per query. CUDA: the per-query decode kernel
-(``paged_decode`` over the flattened queries; a tiled CUDA kernel is future work).
+a page is read once per tile instead of once per query. CUDA: the same tiling in
+kernels/prefill_cuda.py (tiles of ``16 // heads-per-block`` queries, warps over positions).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import jit
 from ninfer_kv.kernels.append import page_major, side_codecs
-from ninfer_kv.kernels.attention import _DQ_ROW, paged_decode
-from ninfer_kv.kernels.backend import dev_view, scale_or_dummy, use_cuda_kernels
+from ninfer_kv.kernels.attention import _DQ_ROW, heads_per_block, paged_decode
+from ninfer_kv.kernels.backend import MAXD, THREADS, dev_view, launch, scale_or_dummy, use_cuda_kernels
 from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view
+from ninfer_kv.kernels.prefill_cuda import prefill_kernel, tile_queries
 
 TILE = 16
 """Queries per CPU work item: each K/V row is dequantized once per tile."""
@@ -117,7 +118,7 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                          force_cuda_sim: bool = False) -> torch.Tensor:
     """Causal attention of a ragged batch: ``q`` [total, Hq, D]; ``table_rows``,
     ``context_lens`` [B]; ``cu_seqlens`` [B + 1] from 0 to total. Returns [total, Hq, D].
-    ``tiled=False`` runs the per-query decode path instead (the CUDA path always does)."""
+    ``tiled=False`` runs the per-query decode path instead."""
     check_values(q, "q", "paged_prefill_varlen", 3)
     check_index(table_rows, "table_rows", "paged_prefill_varlen")
     check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
@@ -128,31 +129,44 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     per_query = (ctx[seq] - n[seq] + within + 1).to(torch.int32).to(context_lens.device)
     rows = table_rows.to(torch.int32)[seq.to(table_rows.device)]
     kc = page_major(view.k_pages, view.order)
-    if not tiled or use_cuda_kernels(kc, force_sim=force_cuda_sim):
+    cuda_path = use_cuda_kernels(kc, force_sim=force_cuda_sim)
+    if not tiled:
         return paged_decode(q, view, rows, per_query, sm_scale=sm_scale,
                             force_cuda_sim=force_cuda_sim)
     total, hq, d = q.shape
     h_kv = view.num_kv_heads
-    if d != view.head_dim or hq % h_kv:
+    if d != view.head_dim or hq % h_kv or d % 32 or d > MAXD:
         raise InvalidArgument(f"paged_prefill_varlen: q {tuple(q.shape)} vs view heads={h_kv} "
-                              f"head_dim={view.head_dim} (need Hq % H == 0)")
+                              f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, "
+                              f"D <= {MAXD})")
     check_view(view, "paged_prefill_varlen")
     check_read_domain(view, rows, per_query, "paged_prefill_varlen")  # every query's reads
     starts = torch.cumsum(n, 0) - n
-    items = [(b, q0, min(q0 + TILE, int(starts[b] + n[b])))
-             for b in range(len(n)) for q0 in range(int(starts[b]), int(starts[b] + n[b]), TILE)]
-    item = np.array(items, dtype=np.int64).reshape(-1, 3)
+    ng = heads_per_block(hq // h_kv)
+    tile = tile_queries(ng) if cuda_path else TILE
+    items = [(b, q0, min(q0 + tile, int(starts[b] + n[b])))
+             for b in range(len(n)) for q0 in range(int(starts[b]), int(starts[b] + n[b]), tile)]
+    item = torch.tensor(items, dtype=torch.int32).reshape(-1, 3).T.contiguous()
     vc = page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
     vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)
     k_id, v_id = side_codecs(view.storage)
-    out = torch.zeros((total, hq, d), dtype=torch.float32)
-    if total:
-        _prefill_cpu(dev_view(q.float().contiguous()), dev_view(kc), dev_view(ks), dev_view(vc),
-                     dev_view(vs), k_id, v_id, dev_view(view.block_tables),
-                     table_rows.to(torch.int32).cpu().numpy(), np.ascontiguousarray(item[:, 0]),
-                     np.ascontiguousarray(item[:, 1]), np.ascontiguousarray(item[:, 2]),
-                     starts.numpy(), n.numpy(), ctx.numpy(),
-                     np.float32(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
-                     out.numpy())
+    scale = np.float32(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
+    out = torch.zeros((total, hq, d), dtype=torch.float32, device=q.device)
+    if not total:
+        return out.to(q.dtype)
+    if cuda_path:
+        dev = q.device
+        ints = [t.to(torch.int32).to(dev) for t in (item[0], item[1], item[2], starts, ctx - n)]
+        args = [dev_view(t) for t in (q.float().contiguous(), kc, ks, vc, vs)] + [k_id, v_id] + [
+            dev_view(t) for t in (view.block_tables, table_rows.to(torch.int32), *ints)] + [
+            scale, dev_view(out)]
+        launch(prefill_kernel(d // 32, ng, k_id, v_id), (len(items), h_kv * (hq // h_kv // ng)),
+               THREADS, *args)
+        return out.to(q.dtype)
+    idx = item.to(torch.int64).numpy()
+    _prefill_cpu(dev_view(q.float().contiguous()), dev_view(kc), dev_view(ks), dev_view(vc),
+                 dev_view(vs), k_id, v_id, dev_view(view.block_tables),
+                 table_rows.to(torch.int32).cpu().numpy(), idx[0], idx[1], idx[2],
+                 starts.numpy(), n.numpy(), ctx.numpy(), scale, out.numpy())
     return out.to(q.dtype)

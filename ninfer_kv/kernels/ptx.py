@@ -51,6 +51,7 @@ def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
     from ninfer_kv.kernels.append import _append_cuda
     from ninfer_kv.kernels.attention import _decode_cuda
     from ninfer_kv.kernels.copy import _copy2d_cuda, _copy_cuda
+    from ninfer_kv.kernels.prefill_cuda import prefill_kernel
 
     i32, f32 = types.int32, types.float32
     a1 = types.Array(i32, 1, "A")
@@ -70,6 +71,11 @@ def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
             for ne, ng in ((2, 1), (4, 4), (8, 8), (4, 3)):  # D = 64/128/256/128, heads
                 ptx, _ = cuda.compile_ptx(_decode_cuda(ne, ng, kid, vid).py_func, sig, cc=cc)
             out[f"decode/{prof.value}"] = len(ptx)
+            sig = (f3, kc, ks, vc, vs, types.int64, types.int64, a2, a1, a1, a1, a1, a1, a1,
+                   f32, f3)
+            for ne, ng in ((2, 1), (4, 4), (8, 8), (4, 2)):
+                ptx, _ = cuda.compile_ptx(prefill_kernel(ne, ng, kid, vid).py_func, sig, cc=cc)
+            out[f"prefill/{prof.value}"] = len(ptx)
         for unit in (types.int64, types.uint8):
             v4 = types.Array(unit, 4, "A")
             ptx, _ = cuda.compile_ptx(_copy_cuda().py_func, (v4, v4, a1, a1, types.int64), cc=cc)

@@ -93,3 +93,25 @@ def test_ragged_refusals() -> None:
             paged_prefill_varlen(bad, view, rows, cu, ctx)
     with pytest.raises(InvalidArgument, match="must be an integer tensor"):
         paged_prefill_varlen(q, view, rows, torch.tensor([0.0, 1.0, 4.0]), ctx)
+
+
+@pytest.mark.parametrize(("profile", "hq", "n", "ctx"), [
+    (Profile.NVFP4_G16, 4, [9, 1], [12, 3]),    # 2 heads per block: tiles of 8 queries
+    (Profile.K8V4, 16, [3, 1], [5, 2])])         # 8 heads per block: tiles of 2 queries
+def test_cuda_tiled_kernel_in_the_simulator(profile: Profile, hq: int, n: list[int],
+                                           ctx: list[int]) -> None:
+    """The CUDA kernel (numba's simulator) against the CPU tiled kernel: tiles that split a
+    sequence's queries (more queries than a tile), a decode row, and GQA groups of 2 to 8
+    heads per block (16 query heads -> one chunk of 8 per KV head)."""
+    import numba
+
+    assert numba.config.ENABLE_CUDASIM, "tests/conftest.py runs the CUDA kernels simulated"
+    view = filled_view(profile)
+    rows = torch.tensor([3, 1], dtype=torch.int32)
+    q = torch.randn(sum(n), hq, D, generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    cpu = paged_prefill_varlen(q, view, rows, cu, ctx_t)
+    sim = paged_prefill_varlen(q, view, rows, cu, ctx_t, force_cuda_sim=True)
+    assert torch.allclose(sim, cpu, rtol=1e-5, atol=1e-5), (sim - cpu).abs().max()
+    assert not torch.equal(sim[0], sim[1])  # causal limits differ per query
