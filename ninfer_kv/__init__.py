@@ -38,6 +38,9 @@ _EXPORTS = {
     "paged_prefill": "ninfer_kv.kernels.attention",
     "paged_prefill_varlen": "ninfer_kv.kernels.prefill",
     "warmup": "ninfer_kv.kernels.warmup",
+    # vLLM/FlashInfer forms of the same data (no copies)
+    "slot_mapping": "ninfer_kv.engine.views",
+    "typed_planes": "ninfer_kv.engine.views",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,11 +11,51 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer_kv.engine.layout import PlaneOrder, Profile
+from ninfer_kv.engine.layout import Codec, P, PlaneOrder, Profile
 
 WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
 """Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
 validation hook only: it grants the consumer no allocator or ownership authority (§12)."""
+
+
+CODE_DTYPE = {Codec.BF16: torch.bfloat16, Codec.INT8_G64: torch.int8,
+              Codec.FP8_ROW: torch.float8_e4m3fn, Codec.NVFP4_G16: torch.float4_e2m1fn_x2}
+"""torch's name for each codec's stored element (NVFP4: two E2M1 codes per byte)."""
+SCALE_DTYPE = {Codec.INT8_G64: torch.bfloat16, Codec.FP8_ROW: torch.bfloat16,
+               Codec.NVFP4_G16: torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True, slots=True)
+class TypedPlanes:
+    """One layer's planes reinterpreted (no copy) in torch dtypes: ``k``/``v`` codes
+    (bfloat16, int8, float8_e4m3fn or float4_e2m1fn_x2) and their scales (None for BF16).
+    Layout as stored: page-major ``[G, H, 64, X]`` or head-major ``[H, G, 64, X]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+def typed_planes(view: PagedKVLayerView | PagedKVBatchLayerView) -> TypedPlanes:
+    """The view's integer storage planes as the dtypes torch (and FlashInfer) name them."""
+    kc, vc = view.storage.codecs
+
+    def scale(t: torch.Tensor | None, codec: Codec) -> torch.Tensor | None:
+        return None if t is None else t.view(SCALE_DTYPE[codec])
+
+    return TypedPlanes(view.k_pages.view(CODE_DTYPE[kc]), view.v_pages.view(CODE_DTYPE[vc]),
+                       scale(view.k_scale_pages, kc), scale(view.v_scale_pages, vc))
+
+
+def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``slot_mapping`` for tokens given as (``table_rows[T]``, ``positions[T]``):
+    ``page_group * 64 + position % 64`` (int64), -1 where the position's page is unmapped.
+    Slot ``s`` is column ``s % 64`` of page group ``s // 64`` in the planes."""
+    pos = positions.to(torch.int64)
+    groups = view.block_tables[table_rows.to(torch.int64), pos // P].to(torch.int64)
+    return torch.where(groups < 0, -1, groups * P + pos % P)
 
 
 @dataclass(frozen=True, slots=True)
