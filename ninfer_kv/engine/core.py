@@ -80,6 +80,8 @@ class StoreCore:
         self._pid = os.getpid()  # a forked child must not write this store's files
         self.fault_hook: Callable[[str, str], None] | None = None
         """Test hook called as (step, pool) at each planning step of an activation."""
+        self.record_hook: Callable[[int, list[Any]], None] | None = None
+        """Called as (seq, events) for every record this store publishes (ninfer_kv.dist)."""
         self.recovery = RecoveryReport()
         self.stats = {"records": 0, "events": 0, "materialized": 0, "cow_copies": 0,
                       "d2h_pages": 0, "d2h_runs": 0, "h2d_pages": 0, "published": 0}
@@ -216,6 +218,8 @@ class StoreCore:
             self.state.seq = seq
             self.stats["records"] += 1
             self.stats["events"] += len(self._pending)
+            if self.record_hook is not None:
+                self.record_hook(seq, self._pending)
             self._pending = []
         return seq
 

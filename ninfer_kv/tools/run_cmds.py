@@ -33,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--offload", action="store_true", help="host tier: offload + demote")
     p.add_argument("--host-bytes", type=non_negative, default=1 << 30)
     p.add_argument("--scale", type=positive, default=1, help="divide lengths by this")
+    p.add_argument("--tp", type=positive, default=1,
+                   help="TP replicas on N local gloo processes (docs/multi-gpu.md)")
+    p.add_argument("--disagg", action="store_true",
+                   help="prefill/decode disaggregation: checkpoint transfer between 2 processes")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="occupancy and prefix-hit ratio over boundaries (PNG)")
     p.add_argument("dir")
@@ -53,6 +57,10 @@ def sim_options(a: argparse.Namespace) -> SimOptions:
 
 
 def run_simulate(a: argparse.Namespace, console: Console) -> int:
+    if a.tp > 1 or a.disagg:
+        from ninfer_kv.tools.dist_sim import run_cli
+
+        return run_cli(a, console)
     reqs = load_trace(a.trace, a.limit)
     store, res = simulate(reqs, sim_options(a))
     store.close()

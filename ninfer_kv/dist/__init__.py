@@ -1,0 +1,34 @@
+"""Beyond one machine, on torch.distributed (gloo on CPU, NCCL on GPU).
+
+* ``replica``: tensor-parallel replicas — a ``Leader`` ships each boundary's journal records to
+  ``Follower`` ranks, whose stores hold their shard of the KV heads and apply the same events.
+* ``transfer``: ``export`` / ``import_`` move an inactive checkpoint (metadata, frontiers, page
+  bytes) between stores, published by the receiver only after every page's CRC-32C matched.
+
+docs/multi-gpu.md describes both topologies.
+"""
+
+from __future__ import annotations
+
+from ninfer_kv.dist.errors import (
+    DistError,
+    NotLeader,
+    PlanMismatch,
+    RecordRefused,
+    ReplicaDiverged,
+    ReplicaError,
+    ReplicaUnsupported,
+    TransferAborted,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+)
+from ninfer_kv.dist.replica import Follower, FollowerStore, Leader, Step, shard_config
+from ninfer_kv.dist.transfer import TransferReport, export, import_
+
+__all__ = [
+    "DistError", "Follower", "FollowerStore", "Leader", "NotLeader", "PlanMismatch",
+    "RecordRefused", "ReplicaDiverged", "ReplicaError", "ReplicaUnsupported", "Step",
+    "TransferAborted", "TransferCorrupt", "TransferError", "TransferRefused", "TransferReport",
+    "export", "import_", "shard_config",
+]

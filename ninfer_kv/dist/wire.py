@@ -1,0 +1,68 @@
+"""Length-prefixed byte messages over torch.distributed point-to-point (send/recv).
+
+Gloo moves CPU tensors; NCCL moves CUDA tensors, so on an NCCL group the same bytes travel
+through a buffer on the current CUDA device. Control messages are small; page payloads use
+the tensor calls of ``transfer.py`` directly.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ninfer_kv.dist.errors import DistError
+
+MAX_MESSAGE = 1 << 31
+"""A length prefix above this is refused as damage (a record is at most 256 MiB)."""
+
+
+def wire_device(group: Any = None) -> torch.device:
+    """Where tensors must live to travel on ``group``: CUDA for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def send_bytes(data: bytes | bytearray | memoryview, dst: int, group: Any = None) -> None:
+    dst = operator.index(dst)
+    dev = wire_device(group)
+    n = len(data)
+    dist.send(torch.tensor([n], dtype=torch.int64, device=dev), dst, group=group)
+    if n:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.send(t.to(dev) if dev.type != "cpu" else t, dst, group=group)
+
+
+def recv_bytes(src: int, group: Any = None) -> bytes:
+    src = operator.index(src)
+    dev = wire_device(group)
+    n = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.recv(n, src, group=group)
+    size = int(n.item())
+    if not 0 <= size <= MAX_MESSAGE:
+        raise DistError(f"message from rank {src} announces {size} bytes, outside "
+                        f"[0, {MAX_MESSAGE}]: not a ninfer-kv peer or a damaged stream")
+    if not size:
+        return b""
+    buf = torch.empty(size, dtype=torch.uint8, device=dev)
+    dist.recv(buf, src, group=group)
+    return buf.cpu().numpy().tobytes()
+
+
+def sender(peers: Sequence[int], group: Any = None) -> Callable[[bytes], None]:
+    """A ``send(message)`` that delivers to every rank of ``peers``, in order."""
+    ranks = [operator.index(p) for p in peers]
+
+    def send(message: bytes) -> None:
+        for r in ranks:
+            send_bytes(message, r, group)
+    return send
+
+
+def receiver(src: int, group: Any = None) -> Callable[[], bytes]:
+    src = operator.index(src)
+    return lambda: recv_bytes(src, group)

@@ -1,0 +1,53 @@
+"""Checkpoint transfer between two gloo processes: prefill on A, decode on B (§5.3: B publishes
+only verified bytes); a peer that dies or a byte that flips leaves B as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.dist import workers as w
+
+
+def load(tmp: Path, name: str) -> dict:
+    return json.loads((tmp / name).read_text())
+
+
+def test_prefill_on_a_decode_on_b_equals_a_and_corruption_is_refused(tmp_path: Path) -> None:
+    assert w.launch(w.xfer_worker, str(tmp_path)) == [0, 0]
+    a, b = load(tmp_path, "x0.json"), load(tmp_path, "x1.json")
+    pages = -(-w.PROMPT // 64)
+    page_bytes = w.LAYERS * 2 * w.HKV * 64 * w.D * 2
+    assert b["import"][:3] == [pages, pages * page_bytes, pages] == a["export"][:3]
+    assert a["export"][3] == b["import"][3]  # the sender learns the receiver's checkpoint id
+    assert b["info"] == [w.PROMPT, {"prompt": w.PROMPT, "seed": 7}, False, "stop"]
+    assert b["after"]["checkpoints"] == [b["import"][3]] and b["before"]["checkpoints"] == []
+    assert b["after"]["violations"] == []
+
+    # decoding the transferred checkpoint on B gives A's outputs
+    assert len(a["outs"]) == len(b["outs"]) == w.DECODE * w.LAYERS
+    diff = max((torch.tensor(x) - torch.tensor(y)).abs().max().item()
+               for x, y in zip(a["outs"], b["outs"], strict=True))
+    assert diff <= 1e-6, diff
+    assert max(abs(v) for o in a["outs"] for v in o) > 0.1
+
+    # (e) a byte flipped on arrival: CRC mismatch, nothing published, nothing leaked
+    assert b["second"].startswith("TransferCorrupt") and "CRC-32C" in b["second"], b["second"]
+    assert "block 1" in b["second"]
+    assert a["second"].startswith("TransferCorrupt"), a
+    assert b["after2"] == b["before2"]
+    assert b["after2"]["violations"] == []
+
+
+def test_sender_killed_mid_transfer_leaves_receiver_clean(tmp_path: Path) -> None:
+    codes = w.launch(w.kill_worker, str(tmp_path))
+    assert codes == [7, 0], codes
+    b = load(tmp_path, "k1.json")
+    assert b["error"].startswith("TransferAborted"), b
+    assert b["after"] == b["before"]  # no new checkpoint, occupancy as before, no active
+    assert b["before"]["checkpoints"] == [b["keep"]] and b["after"]["active"] == []
+    assert b["after"]["violations"] == []
+    assert b["reopened"]["checkpoints"] == [] and b["reopened"]["violations"] == []
+    assert b["reopened"]["occupancy"]["main"]["allocated"] == 0
