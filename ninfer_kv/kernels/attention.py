@@ -126,6 +126,43 @@ def warp_sum_fn(sim: bool) -> Any:
 
 
 @functools.cache
+def lane_fns(ne: int) -> tuple[Any, Any, Any]:
+    """Device functions the decode and prefill kernels share, for ``ne`` elements per lane
+    (a compile-time constant): ``fill_luts(lut8, lut4, tid, threads)`` (FP8/FP4 decode tables
+    in shared memory), ``lane_dot(qr, j, kr)`` (this lane's part of q_j . k) and
+    ``softmax_step(m, lsum, acc, j, dot, vr)`` (online-softmax update of accumulator ``j``)."""
+    gpu_codecs = codecs.gpu()
+    NE = ne  # noqa: N806
+
+    @cuda.jit(device=True)
+    def fill_luts(lut8, lut4, tid, threads):  # noqa: ANN001
+        for i in range(tid, 256, threads):
+            lut8[i] = gpu_codecs.fp8_decode(i)
+            if i < 16:
+                lut4[i] = gpu_codecs.fp4_decode(i)
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def lane_dot(qr, j, kr):  # noqa: ANN001
+        part = float32(0.0)
+        for e in range(NE):
+            part += qr[j, e] * kr[e]
+        return part
+
+    @cuda.jit(device=True)
+    def softmax_step(m, lsum, acc, j, dot, vr):  # noqa: ANN001
+        m_new = max(m[j], dot)
+        corr = math.exp(m[j] - m_new)
+        pw = math.exp(dot - m_new)
+        lsum[j] = lsum[j] * corr + pw
+        for e in range(NE):
+            acc[j, e] = acc[j, e] * corr + pw * vr[e]
+        m[j] = m_new
+
+    return fill_luts, lane_dot, softmax_step
+
+
+@functools.cache
 def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> Any:
     """Block = (row, KV head x query-head chunk, split); 4 warps take tokens in turn, each lane
     holds ``ne`` = D/32 consecutive elements of q, k, v and acc for ``ng`` query heads;
@@ -133,11 +170,9 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
     arrays live in registers and the loops unroll; the codecs are constants too, so the
     dequant branches fold away (one specialization per (D, heads, profile))."""
     load = quant.for_target(quant.load_lane, cpu=False)
-    gpu_codecs = codecs.gpu()
-    sim = simulator()
+    warp_sum = warp_sum_fn(simulator())
+    fill_luts, lane_dot, softmax_step = lane_fns(ne)
     NE, NG, KC, VC = ne, ng, kcodec, vcodec  # noqa: N806 - compile-time constants
-
-    warp_sum = warp_sum_fn(sim)
 
     @cuda.jit
     def kernel(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
@@ -158,11 +193,7 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
         buf = cuda.shared.array((WARPS, 32), float32)
         lut8 = cuda.shared.array(256, float32)
         lut4 = cuda.shared.array(16, float32)
-        for i in range(tid, 256, THREADS):  # decode tables for FP8/FP4 codes
-            lut8[i] = gpu_codecs.fp8_decode(i)
-            if i < 16:
-                lut4[i] = gpu_codecs.fp4_decode(i)
-        cuda.syncthreads()
+        fill_luts(lut8, lut4, tid, THREADS)  # decode tables for FP8/FP4 codes
         sm_m = cuda.shared.array((WARPS, MAXG), float32)
         sm_l = cuda.shared.array((WARPS, MAXG), float32)
         sm_acc = cuda.shared.array((WARPS, MAXG, MAXD), float32)
@@ -193,19 +224,9 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
                 load(KC, kc, ks, g, h, o, d0, NE, kr, lut8, lut4)
                 load(VC, vc, vs, g, h, o, d0, NE, vr, lut8, lut4)
             for j in range(NG):
-                part = float32(0.0)
+                dot = warp_sum(lane_dot(qr, j, kr) if valid else float32(0.0), buf, warp, lane)
                 if valid:
-                    for e in range(NE):
-                        part += qr[j, e] * kr[e]
-                dot = warp_sum(part, buf, warp, lane)
-                if valid:
-                    m_new = max(m[j], dot)
-                    corr = math.exp(m[j] - m_new)
-                    pw = math.exp(dot - m_new)
-                    lsum[j] = lsum[j] * corr + pw
-                    for e in range(NE):
-                        acc[j, e] = acc[j, e] * corr + pw * vr[e]
-                    m[j] = m_new
+                    softmax_step(m, lsum, acc, j, dot, vr)
         for j in range(NG):                 # combine the warps of this block
             if lane == 0:
                 sm_m[warp, j] = m[j]

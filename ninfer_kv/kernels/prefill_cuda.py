@@ -20,8 +20,8 @@ from typing import Any
 
 from numba import cuda, float32
 
-from ninfer_kv.kernels import codecs, quant
-from ninfer_kv.kernels.attention import warp_sum_fn
+from ninfer_kv.kernels import quant
+from ninfer_kv.kernels.attention import lane_fns, warp_sum_fn
 from ninfer_kv.kernels.backend import MAXD, WARPS, simulator
 
 PAIRS = 16
@@ -31,8 +31,8 @@ PAIRS = 16
 @functools.cache
 def prefill_kernel(ne: int, ng: int, kcodec: int, vcodec: int) -> Any:
     load = quant.for_target(quant.load_lane, cpu=False)
-    gpu_codecs = codecs.gpu()
     warp_sum = warp_sum_fn(simulator())
+    fill_luts, lane_dot, softmax_step = lane_fns(ne)
     NE, NG, KC, VC = ne, ng, kcodec, vcodec  # noqa: N806 - compile-time constants
     TQ = max(1, PAIRS // ng)  # noqa: N806
     NP = TQ * NG  # noqa: N806
@@ -60,11 +60,7 @@ def prefill_kernel(ne: int, ng: int, kcodec: int, vcodec: int) -> Any:
         buf = cuda.shared.array((WARPS, 32), float32)
         lut8 = cuda.shared.array(256, float32)
         lut4 = cuda.shared.array(16, float32)
-        for i in range(tid, 256, WARPS * 32):
-            lut8[i] = gpu_codecs.fp8_decode(i)
-            if i < 16:
-                lut4[i] = gpu_codecs.fp4_decode(i)
-        cuda.syncthreads()
+        fill_luts(lut8, lut4, tid, WARPS * 32)
         sm_m = cuda.shared.array((WARPS, NP), float32)
         sm_l = cuda.shared.array((WARPS, NP), float32)
         sm_acc = cuda.shared.array((WARPS, MAXD), float32)
@@ -94,19 +90,9 @@ def prefill_kernel(ne: int, ng: int, kcodec: int, vcodec: int) -> Any:
             for p in range(NP):
                 i = p // NG
                 sees = valid and i < nq and t < base + i
-                part = float32(0.0)
+                dot = warp_sum(lane_dot(qr, p, kr) if sees else float32(0.0), buf, warp, lane)
                 if sees:
-                    for e in range(NE):
-                        part += qr[p, e] * kr[e]
-                dot = warp_sum(part, buf, warp, lane)
-                if sees:
-                    m_new = max(m[p], dot)
-                    corr = math.exp(m[p] - m_new)
-                    pw = math.exp(dot - m_new)
-                    lsum[p] = lsum[p] * corr + pw
-                    for e in range(NE):
-                        acc[p, e] = acc[p, e] * corr + pw * vr[e]
-                    m[p] = m_new
+                    softmax_step(m, lsum, acc, p, dot, vr)
         for p in range(NP):                # combine the warps, one pair at a time
             if lane == 0:
                 sm_m[warp, p] = m[p]
