@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_kv.engine.layout import Codec, P, PlaneOrder, Profile
+from ninfer_kv.errors import InvalidArgument
 
 WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
 """Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
@@ -53,8 +54,14 @@ def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
     """vLLM's ``slot_mapping`` for tokens given as (``table_rows[T]``, ``positions[T]``):
     ``page_group * 64 + position % 64`` (int64), -1 where the position's page is unmapped.
     Slot ``s`` is column ``s % 64`` of page group ``s // 64`` in the planes."""
-    pos = positions.to(torch.int64)
-    groups = view.block_tables[table_rows.to(torch.int64), pos // P].to(torch.int64)
+    pos, rows = positions.to(torch.int64), table_rows.to(torch.int64)
+    c, logical = view.block_tables.shape
+    if pos.shape != rows.shape or bool((pos < 0).any() | (pos >= logical * P).any()) or \
+            bool((rows < 0).any() | (rows >= c).any()):
+        raise InvalidArgument(f"slot_mapping: table_rows {rows.tolist()[:8]} must be in [0, {c}) "
+                              f"and positions {pos.tolist()[:8]} in [0, {logical * P}), same "
+                              "shape")
+    groups = view.block_tables[rows, pos // P].to(torch.int64)
     return torch.where(groups < 0, -1, groups * P + pos % P)
 
 

@@ -140,12 +140,15 @@ class NinferKVCache(Cache):
         self.seqs: list[int] = []
         self._unit: _Unit | None = None
         self._layer = -1
+        self._key: torch.Tensor | None = None
+        self._seen_before = seen
         super().__init__(layers=[_Columns(seen) for _ in range(store.config.model.layers)])
 
     # --- transformers' Cache API ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self._layer = layer_idx
+        self._key = key_states        # the attention call must receive exactly this tensor
         _CURRENT.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -167,11 +170,20 @@ class NinferKVCache(Cache):
     def finish(self, retain: bool = False) -> list[int | None]:
         """Finish every row's sequence (§10); with ``retain`` each becomes an immutable
         checkpoint, returned in row order, that ``prefix=`` can continue later."""
-        if self._unit is not None:
-            raise InvalidArgument("NinferKVCache.finish: a forward is in flight")
+        self.abort()
         out = [self.store.finish(s, retain=retain) for s in self.seqs]
         self.seqs = []
         return out
+
+    def abort(self) -> None:
+        """Undo a forward that did not reach its last layer (an exception in the model): the
+        unit completes without commit (the store unfreezes; columns written above the
+        frontiers are not committed, §8.4) and transformers' column counts roll back."""
+        if self._unit is not None:
+            self._unit = None
+            self.store.unit_complete()
+        for layer in self.layers:
+            layer.seen = self._seen_before
 
     def frontiers(self) -> list[int]:
         """Committed tokens of each row's sequence (real tokens; padding excluded)."""
@@ -197,14 +209,32 @@ class NinferKVCache(Cache):
                 not bool(mask[:, :-t].all()):
             raise InvalidArgument("NinferKVCache: the reused prefix columns must not be padding")
         new = real.sum(1)
-        if not self.seqs:
-            self._admit(new)
+        self._seen_before = self.layers[0].seen - t
+        if mask is not None and mask.shape[1] != self.layers[0].seen:
+            self.abort()
+            raise InvalidArgument(f"NinferKVCache: attention mask covers {mask.shape[1]} columns,"
+                                  f" the cache {self._seen_before} + {t} new (with prefix=, give "
+                                  "input_ids longer than the reused frontier)")
+        try:
+            if not self.seqs:
+                self._admit(new)
+        except BaseException:
+            for seq in self.seqs:        # all rows or none: no half-admitted batch
+                self.store.finish(seq)
+            self.seqs = []
+            self.abort()
+            raise
         if len(self.seqs) != b:
+            self.abort()
             raise InvalidArgument(f"NinferKVCache: batch of {b} rows, cache holds "
                                   f"{len(self.seqs)} sequences")
         start = torch.tensor(self.frontiers(), dtype=torch.int64)
         end = start + new
-        self.store.ensure_mapped_many(self.pool, self.seqs, end.tolist())
+        try:
+            self.store.ensure_mapped_many(self.pool, self.seqs, end.tolist())
+        except BaseException:
+            self.abort()
+            raise
         self.store.close_boundary()
         try:
             unit = _Unit.plan(self.store, self.pool, self.seqs, real, start, end)
@@ -218,6 +248,7 @@ class NinferKVCache(Cache):
         self._unit = None
         self.store.unit_complete()
         self.store.commit_many(self.pool, self.seqs, unit.end.tolist())
+        self._seen_before = self.layers[0].seen
 
 
 class _Unit:
@@ -271,9 +302,17 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     the 2D padding mask or None. Returns [B, T, Hq, D]."""
     cache = _CURRENT.get()
     layer = getattr(module, "layer_idx", None)
-    if cache is None or layer != cache._layer:
+    if cache is None or layer != cache._layer or key is not cache._key:
         raise InvalidArgument(f"ninfer_kv attention (layer {layer}): no NinferKVCache updated "
-                              "this layer; pass past_key_values=NinferKVCache(store) to the model")
+                              "this layer in this forward; pass cache=NinferKVCache(store) to the "
+                              "model")
+    cache._key = None                 # one attention call per update
+    window = getattr(module, "sliding_window", None) or getattr(
+        getattr(module, "config", None), "sliding_window", None)
+    if window is not None and window < cache.store.config.serving.max_context:
+        raise UnsupportedOperation(f"ninfer_kv attention: sliding_window={window} < "
+                                   f"max_context={cache.store.config.serving.max_context}; "
+                                   "only full attention is served")
     if dropout:
         raise UnsupportedOperation(f"ninfer_kv attention: dropout={dropout} (inference only)")
     n_layers = len(cache.layers)
@@ -281,7 +320,8 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if layer == 0:
         if unit is not None:
             raise InvalidArgument("ninfer_kv attention: layer 0 again before the last layer of "
-                                  "the previous forward")
+                                  "the previous forward; call cache.abort() after a failed "
+                                  "forward")
         unit = cache._begin(query, attention_mask)
     elif unit is None:
         raise InvalidArgument(f"ninfer_kv attention: layer {layer} before layer 0")
@@ -289,8 +329,7 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     try:
         out = unit.attend(cache.store, cache.pool, layer, query, key, value, scale)
     except BaseException:
-        cache._unit = None
-        cache.store.unit_complete()
+        cache.abort()
         raise
     if layer == n_layers - 1:
         cache._end(unit)

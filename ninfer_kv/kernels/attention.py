@@ -34,6 +34,7 @@ from ninfer_kv.kernels.backend import (
     MAXG,
     THREADS,
     WARPS,
+    cuda_head_dim_ok,
     dev_view,
     launch,
     scale_or_dummy,
@@ -292,6 +293,9 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     k_id, v_id = side_codecs(view.storage)
     scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
     cuda_path = use_cuda_kernels(kc, force_sim=force_cuda_sim)
+    if cuda_path and not cuda_head_dim_ok(d):
+        raise InvalidArgument(f"paged_decode: head_dim={d} on CUDA: need D in 32/64/128/256 "
+                              "(each lane's D/32 elements must sit in one scale group)")
     max_ctx = int(context_lens.max()) if n_rows else 0
     splits = n_split or choose_splits(n_rows, h_kv, max_ctx, cuda_path)
     dev = q.device

@@ -33,6 +33,12 @@ def twin(fn: FunctionType, **names: Any) -> FunctionType:
     return FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def cuda_head_dim_ok(d: int) -> bool:
+    """CUDA lanes hold ``d / 32`` consecutive elements inside one scale group (groups of 16
+    and 64): so ``d / 32`` must be 1, 2, 4 or 8 (D = 32, 64, 128, 256)."""
+    return d in (32, 64, 128, 256)
+
+
 def simulator() -> bool:
     return bool(numba.config.ENABLE_CUDASIM)
 

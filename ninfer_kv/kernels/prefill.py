@@ -25,7 +25,15 @@ from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import jit
 from ninfer_kv.kernels.append import page_major, side_codecs
 from ninfer_kv.kernels.attention import _DQ_ROW, heads_per_block, paged_decode
-from ninfer_kv.kernels.backend import MAXD, THREADS, dev_view, launch, scale_or_dummy, use_cuda_kernels
+from ninfer_kv.kernels.backend import (
+    MAXD,
+    THREADS,
+    cuda_head_dim_ok,
+    dev_view,
+    launch,
+    scale_or_dummy,
+    use_cuda_kernels,
+)
 from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view
 from ninfer_kv.kernels.prefill_cuda import prefill_kernel, tile_queries
 
@@ -139,6 +147,9 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
         raise InvalidArgument(f"paged_prefill_varlen: q {tuple(q.shape)} vs view heads={h_kv} "
                               f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, "
                               f"D <= {MAXD})")
+    if cuda_path and not cuda_head_dim_ok(d):
+        raise InvalidArgument(f"paged_prefill_varlen: head_dim={d} on CUDA: need D in "
+                              "32/64/128/256 (each lane's D/32 elements in one scale group)")
     check_view(view, "paged_prefill_varlen")
     check_read_domain(view, rows, per_query, "paged_prefill_varlen")  # every query's reads
     starts = torch.cumsum(n, 0) - n

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ninfer_kv import KVStore
 from ninfer_kv.engine.layout import Profile
-from ninfer_kv.errors import InvalidArgument, UnsupportedOperation
+from ninfer_kv.errors import CapacityExhausted, InvalidArgument, UnsupportedOperation
 from ninfer_kv.integrations.transformers import NinferKVCache, register, store_config_for
 from tests.kernels import reference as ref
 
@@ -158,3 +158,57 @@ def test_refusals_leave_the_store_unchanged(models) -> None:  # noqa: ANN001
             ours(new, attention_mask=pmask,
                  cache=NinferKVCache(store, max_new_tokens=2, prefix=(ck, 5)))
     assert store.digest() == digest
+
+
+def test_a_forward_without_the_cache_never_attaches_to_an_old_one(models) -> None:  # noqa: ANN001
+    """Regression: the attention found the last-used cache through a stale context variable
+    and admitted new sequences into its store (leaked rows and pages)."""
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    ids, mask = batch(7, [9])
+    cache = NinferKVCache(store, max_new_tokens=2)
+    generate(ours, ids, mask, cache)
+    cache.finish()
+    before = (store.digest(), store.occupancy())
+    with pytest.raises(InvalidArgument, match="no NinferKVCache"):
+        with torch.no_grad():
+            ours(ids, attention_mask=mask)
+    assert (store.digest(), store.occupancy()) == before
+
+
+def test_a_failed_forward_is_aborted_and_the_store_serves_on(models) -> None:  # noqa: ANN001
+    """Regression: an exception between layer 0 and the last layer left the store frozen."""
+    base, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+    ids, mask = batch(8, [12, 7])
+    cache = NinferKVCache(store, max_new_tokens=NEW)
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("simulated failure in layer 0's MLP")
+
+    hook = ours.model.layers[0].mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"), torch.no_grad():
+            ours(ids, attention_mask=mask, cache=cache)
+    finally:
+        hook.remove()
+    cache.abort()                                   # the documented way out
+    assert cache.get_seq_length() == 0 and cache.frontiers() == [0, 0]
+    other = NinferKVCache(store, max_new_tokens=NEW)  # the store is not frozen
+    assert torch.equal(generate(ours, ids, mask, other),
+                       generate(base, ids, mask, reference_cache(Profile.BF16)))
+    cache.finish()
+    other.finish()
+    store.check_invariants()
+
+
+def test_admission_is_all_rows_or_none(models) -> None:  # noqa: ANN001
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    ids, mask = batch(9, [5, 6, 7])                 # 3 rows, 2 execution rows
+    cache = NinferKVCache(store, max_new_tokens=2)
+    before = (store.digest(), store.occupancy())
+    with pytest.raises(CapacityExhausted), torch.no_grad():
+        ours(ids, attention_mask=mask, cache=cache)
+    assert cache.seqs == [] and cache.get_seq_length() == 0
+    assert store.occupancy() == before[1]

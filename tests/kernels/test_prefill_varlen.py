@@ -106,7 +106,16 @@ def test_cuda_tiled_kernel_in_the_simulator(profile: Profile, hq: int, n: list[i
     import numba
 
     assert numba.config.ENABLE_CUDASIM, "tests/conftest.py runs the CUDA kernels simulated"
+    from ninfer_kv import typed_planes
+
     view = filled_view(profile)
+    typed = typed_planes(view)                 # realistic values (random bits are denormals)
+    for t in (typed.k, typed.v):
+        if t.dtype != torch.float4_e2m1fn_x2:  # (any byte is a valid pair of FP4 codes)
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(6)))
+    for t in (typed.k_scale, typed.v_scale):
+        if t is not None:
+            t.copy_(torch.rand(t.shape, generator=torch.Generator().manual_seed(7)) * 0.1 + 0.05)
     rows = torch.tensor([3, 1], dtype=torch.int32)
     q = torch.randn(sum(n), hq, D, generator=torch.Generator().manual_seed(5))
     cu = torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32)
@@ -115,3 +124,18 @@ def test_cuda_tiled_kernel_in_the_simulator(profile: Profile, hq: int, n: list[i
     sim = paged_prefill_varlen(q, view, rows, cu, ctx_t, force_cuda_sim=True)
     assert torch.allclose(sim, cpu, rtol=1e-5, atol=1e-5), (sim - cpu).abs().max()
     assert not torch.equal(sim[0], sim[1])  # causal limits differ per query
+
+
+def test_cuda_refuses_a_head_dim_whose_lanes_straddle_scale_groups() -> None:
+    """Regression: D=96/192 passed D % 32 == 0, but a lane's D/32 = 3 or 6 elements cross a
+    scale group (wrong scales) or overrun its registers (NVFP4 pairs)."""
+    view = make_view(Profile.NVFP4_G16, 1, 96, pages=2, rows=1, logical=2)
+    q = torch.randn(1, 1, 96)
+    one = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(InvalidArgument, match="head_dim=96 on CUDA"):
+        paged_prefill_varlen(q, view, one, torch.tensor([0, 1]), torch.tensor([1]),
+                             force_cuda_sim=True)
+    from ninfer_kv import paged_decode
+
+    with pytest.raises(InvalidArgument, match="head_dim=96 on CUDA"):
+        paged_decode(q, view, one, torch.tensor([1]), force_cuda_sim=True)

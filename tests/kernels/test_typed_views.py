@@ -59,3 +59,13 @@ def _fp4(code: torch.Tensor):  # noqa: ANN202
 
     nib = torch.stack([code & 15, code >> 4], -1).reshape(*code.shape[:-1], -1)
     return ref.fp4_val(nib.numpy())
+
+
+def test_slot_mapping_refuses_padding_and_out_of_range() -> None:
+    """Regression: -1 rows/positions wrapped around to another sequence's live slots."""
+    from ninfer_kv.errors import InvalidArgument
+
+    view, *_ = written(Profile.BF16)
+    for rows, pos in (([0], [-1]), ([-1], [5]), ([0], [192]), ([2], [0])):
+        with pytest.raises(InvalidArgument, match="slot_mapping"):
+            slot_mapping(view, torch.tensor(rows), torch.tensor(pos))
