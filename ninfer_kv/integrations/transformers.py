@@ -43,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import InvalidArgument, UnsupportedOperation
+from ninfer_kv.errors import EntitlementExceeded, InvalidArgument, UnsupportedOperation
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode
 from ninfer_kv.kernels.prefill import paged_prefill_varlen
@@ -138,6 +138,7 @@ class NinferKVCache(Cache):
         self.prefix = prefix
         self.max_new_tokens = None if max_new_tokens is None else operator.index(max_new_tokens)
         self.seqs: list[int] = []
+        self._budget: list[int] = []   # per row: most tokens it may hold (prompt + output)
         self._unit: _Unit | None = None
         self._layer = -1
         self._key: torch.Tensor | None = None
@@ -191,9 +192,11 @@ class NinferKVCache(Cache):
 
     def _admit(self, new: torch.Tensor) -> None:
         limit = self.store.config.serving.max_context
+        self._budget = []
         for n in new.tolist():
             prompt = n + (self.prefix[1] if self.prefix else 0)
             out = limit - prompt if self.max_new_tokens is None else self.max_new_tokens
+            self._budget.append(prompt + out)
             if self.prefix is None:
                 self.seqs.append(self.store.activate(prompt, out))
             else:
@@ -205,11 +208,12 @@ class NinferKVCache(Cache):
         """Layer 0: which columns are real, map them, close the boundary."""
         b, _, t, _ = query.shape
         real = torch.ones(b, t, dtype=torch.bool) if mask is None else mask[:, -t:].cpu().bool()
-        if mask is not None and self.prefix is not None and not self.seqs and \
-                not bool(mask[:, :-t].all()):
-            raise InvalidArgument("NinferKVCache: the reused prefix columns must not be padding")
         new = real.sum(1)
         self._seen_before = self.layers[0].seen - t
+        if mask is not None and self.prefix is not None and not self.seqs and \
+                not bool(mask[:, :-t].all()):
+            self.abort()
+            raise InvalidArgument("NinferKVCache: the reused prefix columns must not be padding")
         if mask is not None and mask.shape[1] != self.layers[0].seen:
             self.abort()
             raise InvalidArgument(f"NinferKVCache: attention mask covers {mask.shape[1]} columns,"
@@ -230,6 +234,14 @@ class NinferKVCache(Cache):
                                   f"{len(self.seqs)} sequences")
         start = torch.tensor(self.frontiers(), dtype=torch.int64)
         end = start + new
+        over = [i for i, (e, cap) in enumerate(zip(end.tolist(), self._budget, strict=True)) if e > cap]
+        if over:
+            i = over[0]
+            self.abort()
+            raise EntitlementExceeded(
+                f"NinferKVCache: row {i} would hold {int(end[i])} tokens, its budget is "
+                f"{self._budget[i]} (first forward's tokens + max_new_tokens={self.max_new_tokens};"
+                " for chunked prefill leave max_new_tokens=None: up to max_context)")
         try:
             self.store.ensure_mapped_many(self.pool, self.seqs, end.tolist())
         except BaseException:
@@ -240,6 +252,7 @@ class NinferKVCache(Cache):
             unit = _Unit.plan(self.store, self.pool, self.seqs, real, start, end)
         except BaseException:
             self.store.unit_complete()
+            self.abort()
             raise
         self._unit = unit
         return unit
@@ -307,7 +320,11 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                               "this layer in this forward; pass cache=NinferKVCache(store) to the "
                               "model")
     cache._key = None                 # one attention call per update
-    window = getattr(module, "sliding_window", None) or getattr(
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedOperation(f"ninfer_kv attention: {name} (logit soft-capping / "
+                                       "attention sinks) is not served")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or getattr(
         getattr(module, "config", None), "sliding_window", None)
     if window is not None and window < cache.store.config.serving.max_context:
         raise UnsupportedOperation(f"ninfer_kv attention: sliding_window={window} < "

@@ -14,7 +14,12 @@ from transformers.cache_utils import DynamicLayer
 
 from ninfer_kv import KVStore
 from ninfer_kv.engine.layout import Profile
-from ninfer_kv.errors import CapacityExhausted, InvalidArgument, UnsupportedOperation
+from ninfer_kv.errors import (
+    CapacityExhausted,
+    EntitlementExceeded,
+    InvalidArgument,
+    UnsupportedOperation,
+)
 from ninfer_kv.integrations.transformers import NinferKVCache, register, store_config_for
 from tests.kernels import reference as ref
 
@@ -139,7 +144,7 @@ def test_refusals_leave_the_store_unchanged(models) -> None:  # noqa: ANN001
     _, ours, cfg = models
     store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
     ids, mask = batch(5, [20])
-    first = NinferKVCache(store, max_new_tokens=2)
+    first = NinferKVCache(store, max_new_tokens=NEW)
     generate(ours, ids, mask, first)
     (ck,) = first.finish(retain=True)
     digest = store.digest()
@@ -166,7 +171,7 @@ def test_a_forward_without_the_cache_never_attaches_to_an_old_one(models) -> Non
     _, ours, cfg = models
     store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
     ids, mask = batch(7, [9])
-    cache = NinferKVCache(store, max_new_tokens=2)
+    cache = NinferKVCache(store, max_new_tokens=NEW)
     generate(ours, ids, mask, cache)
     cache.finish()
     before = (store.digest(), store.occupancy())
@@ -212,3 +217,32 @@ def test_admission_is_all_rows_or_none(models) -> None:  # noqa: ANN001
         ours(ids, attention_mask=mask, cache=cache)
     assert cache.seqs == [] and cache.get_seq_length() == 0
     assert store.occupancy() == before[1]
+
+
+def test_the_output_budget_is_exact_not_page_granular(models) -> None:  # noqa: ANN001
+    """Regression: generating past max_new_tokens was accepted until the page ran out, and
+    a refusal left transformers' column count ahead of the store's frontier."""
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    ids, mask = batch(10, [9])
+    cache = NinferKVCache(store, max_new_tokens=3)
+    with pytest.raises(EntitlementExceeded, match="budget is 12"), torch.no_grad():
+        ours.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False)
+    assert cache.frontiers() == [12] and cache.get_seq_length() == 12
+    cache.finish()
+    store.check_invariants()
+
+
+def test_softcap_and_sinks_are_refused(models) -> None:  # noqa: ANN001
+    from ninfer_kv.integrations.transformers import ninfer_kv_attention
+
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    cache = NinferKVCache(store, max_new_tokens=2)
+    module = ours.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 3, D), torch.randn(1, 2, 3, D)
+    for kw in ({"softcap": 30.0}, {"s_aux": torch.zeros(4)}):
+        k2, v2 = cache.update(k, k, 0)
+        with pytest.raises(UnsupportedOperation, match=next(iter(kw))):
+            ninfer_kv_attention(module, q, k2, v2, None, **kw)
+    assert store.active() == []
