@@ -98,7 +98,8 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
-                 "kernels/prefill.py")
+                 "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
+                 "integrations/transformers.py", "dist/replica.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -148,6 +149,10 @@ OPENING = [*ENGINE, "tests/kernels/test_store_kernels.py", "tests/tools/test_cli
 
 TESTS: list[tuple[str, list[str], list[str]]] = [
     # (module glob, tier 1, tier-2 head); the first matching glob wins
+    ("integrations/*.py", ["tests/integrations/test_transformers.py"], []),
+    # in-process tests only: a mutant is installed in this process, not in spawned ranks
+    ("dist/replica.py", ["tests/dist/test_replica_refusals.py"], []),
+    ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
     ("engine/invariants.py", [*INCREMENTAL, *ENGINE], MACHINE),
     ("engine/incremental*.py", INCREMENTAL, MACHINE),
     ("engine/host_arena.py", ["tests/engine/test_host_arena.py", *INCREMENTAL, *ENGINE], MACHINE),
@@ -164,6 +169,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("kernels/*.py", KERNELS, MACHINE),
 ]
 SUITE = ["tests/engine/test_*.py", "tests/journal/test_*.py", "tests/kernels/test_*.py",
+         "tests/integrations/test_*.py",
          "tests/tools/test_*.py"]
 SLOW = {"tests/engine/test_crash_soak.py", "tests/kernels/test_ptx.py",
         "tests/kernels/test_kernels_sim.py"}

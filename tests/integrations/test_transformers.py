@@ -246,3 +246,40 @@ def test_softcap_and_sinks_are_refused(models) -> None:  # noqa: ANN001
         with pytest.raises(UnsupportedOperation, match=next(iter(kw))):
             ninfer_kv_attention(module, q, k2, v2, None, **kw)
     assert store.active() == []
+
+
+def test_every_unsupported_use_is_a_typed_refusal(models) -> None:  # noqa: ANN001
+    from ninfer_kv.integrations.transformers import ninfer_kv_attention
+
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+    cache = NinferKVCache(store, max_new_tokens=4)
+    for call in (lambda: cache.crop(1), lambda: cache.batch_repeat_interleave(2),
+                 lambda: cache.batch_select_indices(torch.tensor([0])), cache.layers[0].reset):
+        with pytest.raises(UnsupportedOperation):
+            call()
+    attn = [layer.self_attn for layer in ours.model.layers]
+    q, k = torch.randn(2, 4, 3, D), torch.randn(2, 2, 3, D)
+    cache.update(k, k, 0)
+    with pytest.raises(UnsupportedOperation, match="dropout"):
+        ninfer_kv_attention(attn[0], q, cache._key, k, None, dropout=0.1)
+    cache.abort()
+    cache.update(k, k, 1)
+    with pytest.raises(InvalidArgument, match="layer 1 before layer 0"):
+        ninfer_kv_attention(attn[1], q, cache._key, k, None)
+    cache.abort()
+    digest = store.digest()
+    cache.update(k, k, 0)
+    ninfer_kv_attention(attn[0], q, cache._key, k, None)        # layer 0 of a 2-row forward
+    cache.update(k, k, 0)
+    with pytest.raises(InvalidArgument, match="layer 0 again"):
+        ninfer_kv_attention(attn[0], q, cache._key, k, None)
+    cache.abort()
+    assert cache.get_seq_length() == 0 and len(cache.seqs) == 2
+    k3, q3 = torch.randn(3, 2, 1, D), torch.randn(3, 4, 1, D)
+    cache.update(k3, k3, 0)
+    with pytest.raises(InvalidArgument, match="batch of 3 rows, cache holds 2"):
+        ninfer_kv_attention(attn[0], q3, cache._key, k3, None)
+    cache.finish()
+    assert store.active() == [] and store.digest() != digest  # admitted, then finished
+    store.check_invariants()
