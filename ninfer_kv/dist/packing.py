@@ -1,30 +1,26 @@
-"""Page bytes for checkpoint transfer: between page groups and packed pages (the host tier's
-layout, §5.3 "HostKVPageLayout": every plane of every layer back to back, each its H rows of
-``P * X * itemsize`` bytes; no device ids, no holes), with torch/numpy copies that work for
-both plane orders (§4.3) and any device, plus per-page CRC-32C and reusable chunk buffers."""
+"""Page bytes for checkpoint transfer, plane by plane.
+
+On the wire a chunk of ``k`` pages is, for each plane of the pool (every layer's K and V codes
+and scales, in the host tier's order, §5.3 "HostKVPageLayout"), one ``[k, H, P * X * itemsize]``
+byte tensor: plane ``p``'s slice of each page, pages in logical order. Concatenating a page's
+slices over the planes gives exactly its packed host-tier bytes (``kernels.copy.pack_pages``),
+and its CRC-32C is chained over the same slices in the same order, so it equals the CRC of the
+packed page.
+
+Zero copies where the layout allows: when a chunk's pages are consecutive device page groups of
+a page-major pool, each plane's slice *is* a contiguous view of the plane — sent from it, or
+received straight into it. Otherwise (scattered ids, head-major planes, host-only pages) the
+slices are gathered into / scattered from reusable staging buffers.
+"""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from crc32c import crc32c
 
-from ninfer_kv.dist.errors import TransferError
-from ninfer_kv.engine.layout import P, PlaneOrder
+from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.store import KVStore
-
-
-def zero_tail(page: torch.Tensor, planes: list[torch.Tensor], order: PlaneOrder,
-              committed: int) -> None:
-    """Bytes past the committed columns are not part of the checkpoint: zero them (as the
-    host tier does, engine/host.py ``zero_uncommitted``), so CRCs cover only content."""
-    off = 0
-    for t in planes:
-        h = t.shape[1] if order is PlaneOrder.PAGE_MAJOR else t.shape[0]
-        rows, xb = t.shape[2], t.shape[3] * t.element_size()
-        page[off:off + h * rows * xb].view(h, rows, xb)[:, committed:, :] = 0
-        off += h * rows * xb
 
 
 def page_views(t: torch.Tensor, order: PlaneOrder) -> torch.Tensor:
@@ -36,85 +32,21 @@ def page_views(t: torch.Tensor, order: PlaneOrder) -> torch.Tensor:
     return u.view(t.shape[0], t.shape[1], -1).transpose(0, 1)
 
 
-def runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(first index, end index, first id) of each run of consecutive ids."""
-    out: list[tuple[int, int, int]] = []
-    for i, g in enumerate(ids):
-        if out and g == out[-1][2] + (i - out[-1][0]):
-            out[-1] = (out[-1][0], i + 1, out[-1][2])
-        else:
-            out.append((i, i + 1, g))
-    return out
-
-
-def copy_pages(planes: list[torch.Tensor], order: PlaneOrder, ids: list[int],
-               buf: torch.Tensor, *, into_planes: bool) -> None:
-    """Between page groups ``ids`` and packed pages ``buf[len(ids), page_bytes]`` (the host
-    tier's layout, §5.3: every plane back to back, each its H rows): one strided copy per
-    plane and run of consecutive ids, or one gather/scatter per plane when ids are
-    scattered. Device-agnostic (torch copies: CPU, CUDA, or across the two)."""
-    rr = runs(ids)
-    idx = torch.tensor(ids, dtype=torch.int64, device=planes[0].device) if len(rr) > 4 else None
-    host = planes[0].device.type == "cpu" and buf.device.type == "cpu"
-    off = 0
-    for t in planes:
-        pv = page_views(t, order)
-        n = pv.shape[1] * pv.shape[2]
-        packed = buf[:, off:off + n].view(len(ids), pv.shape[1], pv.shape[2])
-        off += n
-        if host and idx is None:  # numpy's strided copy: several times torch's on the CPU
-            pn, bn = pv.numpy(), packed.numpy()
-            for i, j, g in rr:
-                if into_planes:
-                    np.copyto(pn[g:g + j - i], bn[i:j])
-                else:
-                    np.copyto(bn[i:j], pn[g:g + j - i])
-            continue
-        if idx is not None:
-            if into_planes:
-                pv.index_copy_(0, idx, packed.to(pv.device))
-            else:
-                packed.copy_(pv.index_select(0, idx))
-            continue
-        for i, j, g in rr:
-            if into_planes:
-                pv[g:g + j - i].copy_(packed[i:j])
-            else:
-                packed[i:j].copy_(pv[g:g + j - i])
-    if off != buf.shape[1]:
-        raise TransferError(f"packed page of {buf.shape[1]} B != the planes' {off} B")
-
-
-def pack(store: KVStore, pool: str, pages: list[LogicalKVPage], buf: torch.Tensor) -> None:
-    """Packed bytes of ``pages`` (logical order) into ``buf[len(pages), page_bytes]``: device
-    replicas with ``copy_pages``, host-only pages from the arena (the same layout)."""
-    planes = store.device.planes(pool)
+def plane_views(store: KVStore, pool: str) -> list[torch.Tensor]:
     order = store.device.pools[pool].geometry.order
-    pb = buf.shape[1]
-    i = 0
-    while i < len(pages):
-        j = i
-        while j < len(pages) and pages[j].device != NO_PAGE:
-            j += 1
-        if j > i:
-            copy_pages(planes, order, [pg.device for pg in pages[i:j]], buf[i:j],
-                       into_planes=False)
-            i = j
-        else:
-            assert store.arena is not None and pages[i].host is not None
-            buf[i].copy_(store.arena.pages(pages[i].host[0], 1, pb)[0])  # type: ignore[index]
-            i += 1
-    for k, pg in enumerate(pages):
-        if pg.committed < P:
-            zero_tail(buf[k], planes, order, pg.committed)
+    return [page_views(t, order) for t in store.device.planes(pool)]
+
+
+def consecutive(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
 
 
 _STAGING: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def staging(device: torch.device, slot: int, size: int) -> torch.Tensor:
-    """A reusable chunk buffer (two per device, grown on demand): a fresh one per transfer
-    would pay a page fault per 4 KiB on first touch, about as long as the copy itself."""
+    """A reusable byte buffer (grown on demand): a fresh one per chunk would pay a page fault
+    per 4 KiB on first touch, about as long as the copy itself."""
     key = (str(device), slot)
     t = _STAGING.get(key)
     if t is None or t.numel() < size:
@@ -122,8 +54,72 @@ def staging(device: torch.device, slot: int, size: int) -> torch.Tensor:
     return t[:size]
 
 
-def crcs(buf: torch.Tensor) -> list[int]:
-    data = buf.cpu().numpy() if buf.device.type != "cpu" else buf.numpy()
-    return [crc32c(data[i]) for i in range(data.shape[0])]
+def _stage(views: list[torch.Tensor], k: int, slot: int, device: torch.device
+           ) -> list[torch.Tensor]:
+    out = []
+    for p, pv in enumerate(views):
+        n = pv.shape[1] * pv.shape[2]
+        out.append(staging(device, slot * 1024 + p, k * n).view(k, pv.shape[1], pv.shape[2]))
+    return out
 
 
+def gather(store: KVStore, pool: str, pages: list[LogicalKVPage], slot: int,
+           device: torch.device) -> list[torch.Tensor]:
+    """Per plane, ``pages``' slices as one contiguous ``[k, H, row bytes]`` tensor on
+    ``device``: views of the planes when possible, else copies into staging ``slot``."""
+    views = plane_views(store, pool)
+    ids = [pg.device for pg in pages]
+    if NO_PAGE not in ids and consecutive(ids):
+        direct = [pv[ids[0]:ids[0] + len(ids)] for pv in views]
+        if all(d.is_contiguous() and d.device == device for d in direct):
+            return direct
+    out = _stage(views, len(pages), slot, device)
+    dev = [i for i, g in enumerate(ids) if g != NO_PAGE]
+    if dev:
+        src = torch.tensor([ids[i] for i in dev], device=views[0].device)
+        dst = torch.tensor(dev, device=device)
+        for o, pv in zip(out, views, strict=True):
+            o.index_copy_(0, dst, pv.index_select(0, src).to(device))
+    pb = sum(pv.shape[1] * pv.shape[2] for pv in views)
+    for i, pg in enumerate(pages):
+        if pg.device == NO_PAGE:      # host-only: its packed page from the arena, split
+            assert store.arena is not None and pg.host is not None
+            packed = store.arena.pages(pg.host[0], 1, pb)[0]
+            off = 0
+            for o in out:
+                n = o.shape[1] * o.shape[2]
+                o[i].view(-1).copy_(packed[off:off + n])
+                off += n
+    return out
+
+
+def targets(store: KVStore, pool: str, ids: list[int], slot: int, device: torch.device
+            ) -> tuple[list[torch.Tensor], bool]:
+    """Where a chunk for page groups ``ids`` is received: the planes themselves (True) when
+    the ids are consecutive and the slices contiguous on ``device``, else staging (False;
+    ``scatter`` then writes it)."""
+    views = plane_views(store, pool)
+    if consecutive(ids):
+        direct = [pv[ids[0]:ids[0] + len(ids)] for pv in views]
+        if all(d.is_contiguous() and d.device == device for d in direct):
+            return direct, True
+    return _stage(views, len(ids), slot, device), False
+
+
+def scatter(store: KVStore, pool: str, ids: list[int], chunk: list[torch.Tensor]) -> None:
+    views = plane_views(store, pool)
+    idx = torch.tensor(ids, device=views[0].device)
+    for c, pv in zip(chunk, views, strict=True):
+        pv.index_copy_(0, idx, c.to(pv.device))
+
+
+def crcs(chunk: list[torch.Tensor]) -> list[int]:
+    """Per page, CRC-32C of its slices chained over the planes (= CRC of the packed page)."""
+    host = [c.cpu().reshape(c.shape[0], -1).numpy() for c in chunk]
+    out = []
+    for i in range(chunk[0].shape[0] if chunk else 0):
+        c = 0
+        for h in host:
+            c = crc32c(h[i], c)
+        out.append(c)
+    return out

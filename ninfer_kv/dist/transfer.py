@@ -2,10 +2,10 @@
 
 ``export(store, ck, dst)`` on the sending rank and ``import_(store, src)`` on the receiving
 rank move one inactive checkpoint: its metadata, frontier per pool, and the bytes of its pages
-in logical order — every plane of every layer, packed as the host tier packs them (§5.3,
-"HostKVPageLayout": no device ids, no holes). Pages travel in coalesced chunks of whole pages,
-each chunk one tensor send preceded by the CRC-32C of each of its pages; chunks are double
-buffered (pack/verify one while the other is on the wire).
+in logical order — every plane of every layer, as the host tier lays a page out (§5.3,
+"HostKVPageLayout": no device ids, no holes). A chunk of whole pages travels as the CRC-32C of
+each page, then one tensor per plane: zero-copy views of the planes when the pages are
+consecutive page groups (dist/packing.py), staging copies otherwise; two chunks are in flight.
 
 The receiver follows the §5.3 publication order across machines::
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferError, TransferRefused
-from ninfer_kv.dist.packing import copy_pages, crcs, pack, staging
+from ninfer_kv.dist.packing import crcs, gather, scatter, targets
 from ninfer_kv.dist.wire import recv_bytes, send_bytes, wire_device
 from ninfer_kv.engine import host
 from ninfer_kv.engine.layout import P, ceil_div
@@ -50,9 +50,9 @@ log = structlog.get_logger(__name__)
 MAGIC, VERSION = "NKVT", 1
 DEFAULT_CHUNK = 16 << 20
 """Bytes per chunk (rounded down to whole pages, at least one page)."""
-ChunkHook = Callable[[str, int, torch.Tensor], None]
-"""Called as (pool, chunk index, the chunk's ``[pages, page_bytes]`` bytes) — on the sender
-after packing, on the receiver after arrival and before verification (progress, tests)."""
+ChunkHook = Callable[[str, int, list[torch.Tensor]], None]
+"""Called as (pool, chunk index, the chunk's per-plane ``[pages, H, row bytes]`` tensors) — on
+the sender after gathering, on the receiver after arrival and before verification."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,22 +140,18 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
         chunks = moved = 0
         for name, _, pages in pools:
             pb, step = pbs[name], per[name]
-            rows = min(step, len(pages))
-            bufs = [staging(dev, i, rows * pb).view(rows, pb)
-                    for i in range(2 if len(pages) > step else 1)]
-            inflight: list[list[Any]] = [[] for _ in bufs]
+            inflight: list[list[Any]] = [[], []]
             for ci, a in enumerate(range(0, len(pages), step)):
                 k = min(step, len(pages) - a)
-                slot = ci % len(bufs)
-                for w in inflight[slot]:  # the buffer's previous chunk must have left
+                slot = ci % 2
+                for w in inflight[slot]:  # staging `slot` may hold the chunk before last
                     w.wait()
-                buf = bufs[slot][:k]
-                pack(store, name, pages[a:a + k], buf)
-                sums = torch.tensor(crcs(buf), dtype=torch.int64, device=dev)
+                chunk = gather(store, name, pages[a:a + k], slot, dev)
+                sums = torch.tensor(crcs(chunk), dtype=torch.int64, device=dev)
                 if on_chunk is not None:
-                    on_chunk(name, ci, buf)
-                inflight[slot] = [dist.isend(sums, dst, group=group),
-                                  dist.isend(buf, dst, group=group)]
+                    on_chunk(name, ci, chunk)
+                inflight[slot] = [dist.isend(sums, dst, group=group)] + [
+                    dist.isend(c, dst, group=group) for c in chunk]
                 chunks += 1
                 moved += k * pb
             for ws in inflight:
@@ -227,51 +223,49 @@ def _abort(store: KVStore, seq: int) -> None:
 
 def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
              on_chunk: ChunkHook | None) -> tuple[int, int, str | None]:
-    """Receive every chunk (double buffered), verify, write. Returns (bytes, chunks, the first
-    CRC mismatch or None); after a mismatch the rest is drained, never written."""
+    """Receive every chunk (double buffered) into the sequence's pages (in place when they are
+    consecutive, else through staging), verify each page's CRC. Returns (bytes, chunks, the
+    first CRC mismatch or None); after a mismatch the rest is drained and nothing published
+    (the pages belong to the unpublished sequence, which the caller then frees)."""
     dev = wire_device(group)
     plan = []
     for n, _, k, pb, per in pools:
-        plan += [(n, a, min(per, k - a), pb) for a in range(0, k, per)]
-    size = max((k * pb for _, _, k, pb in plan), default=0)
-    flats = [staging(dev, 2 + i, size) for i in range(2)]
-    posted: dict[int, tuple[torch.Tensor, torch.Tensor, list[Any]]] = {}
+        ids = [store.state.pools[n].pages[s].device  # type: ignore[union-attr]
+               for s in store.space(seq, n).members]
+        plan += [(n, a, ids[a:a + min(per, k - a)], pb) for a in range(0, k, per)]
+    posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], bool, list[Any]]] = {}
 
     def post(ci: int) -> None:
-        _, _, k, pb = plan[ci]
-        sums = torch.empty(k, dtype=torch.int64, device=dev)
-        data = flats[ci % 2][:k * pb].view(k, pb)
-        posted[ci] = (sums, data, [dist.irecv(sums, src, group=group),
-                                   dist.irecv(data, src, group=group)])
+        name, _, ids, _ = plan[ci]
+        sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
+        chunk, in_place = targets(store, name, ids, ci % 2, dev)
+        posted[ci] = (sums, chunk, in_place, [dist.irecv(sums, src, group=group)] + [
+            dist.irecv(c, src, group=group) for c in chunk])
 
     bad: str | None = None
     moved = 0
     if plan:
         post(0)
-    for ci, (name, a, k, pb) in enumerate(plan):
-        sums, data, works = posted.pop(ci)
+    for ci, (name, a, ids, pb) in enumerate(plan):
+        sums, chunk, in_place, works = posted.pop(ci)
         for w in works:
             w.wait()
         if ci + 1 < len(plan):
             post(ci + 1)
         idx = ci - next(i for i, c in enumerate(plan) if c[0] == name)
         if on_chunk is not None:
-            on_chunk(name, idx, data)
-        moved += k * pb
+            on_chunk(name, idx, chunk)
+        moved += len(ids) * pb
         if bad is not None:
             continue
-        got, want = crcs(data), sums.cpu().tolist()
+        got, want = crcs(chunk), sums.cpu().tolist()
         for i, (g, w) in enumerate(zip(got, [x & 0xFFFFFFFF for x in want], strict=True)):
             if g != w:
                 bad = (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received bytes "
                        f"!= sender's {w:#010x}")
                 break
-        if bad is None:
-            sp = store.space(seq, name)
-            ids = [store.state.pools[name].pages[s].device  # type: ignore[union-attr]
-                   for s in sp.members[a:a + k]]
-            copy_pages(store.device.planes(name), store.device.pools[name].geometry.order,
-                       ids, data, into_planes=True)
+        if bad is None and not in_place:
+            scatter(store, name, ids, chunk)
     return moved, len(plan), bad
 
 

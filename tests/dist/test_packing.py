@@ -1,20 +1,31 @@
-"""The transfer's packed pages are the host tier's layout (§5.3) for every profile and both
-plane orders, and unpacking them restores the page groups byte for byte."""
+"""The transfer's per-plane chunks are the host tier's packed pages (§5.3) cut by plane, for
+every profile and both plane orders: concatenated they equal ``pack_pages``, their chained
+CRC equals the packed page's, and receiving them (in place or through staging) restores the
+page groups byte for byte."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from crc32c import crc32c
 
 from ninfer_kv import KVStore, ModelGeometry, ServingConfig, StoreConfig
-from ninfer_kv.dist.packing import copy_pages, zero_tail
+from ninfer_kv.dist.packing import crcs, gather, scatter, targets
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import Profile
+from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.kernels.copy import pack_pages
+
+CPU = torch.device("cpu")
+
+
+def fake_pages(ids: list[int]) -> list[LogicalKVPage]:
+    return [LogicalKVPage(slot=i, gen=1, device=g, writer=-1, active=False)
+            for i, g in enumerate(ids)]
 
 
 @pytest.mark.parametrize("profile", list(Profile))
-def test_packed_pages_match_the_host_layout(profile: Profile) -> None:
+def test_chunks_are_the_host_layout_cut_by_plane(profile: Profile) -> None:
     store = KVStore.open(StoreConfig(
         model=ModelGeometry(layers=2, kv_heads=2, head_dim=64, profile=profile,
                             draft_layers=1, draft_kv_heads=2, draft_head_dim=64),
@@ -27,23 +38,26 @@ def test_packed_pages_match_the_host_layout(profile: Profile) -> None:
         for t in planes:
             t.view(torch.uint8).random_(0, 256)
         pb = next(s.page_bytes for s in store.state.pool_specs if s.name == pool)
-        for ids in ([1, 2, 3], [5, 0, 3, 7, 2, 6]):  # one run; scattered (gather path)
+        for ids in ([1, 2, 3], [5, 0, 3, 7, 2, 6]):  # a run (zero copy when page-major); scattered
             want = torch.empty(len(ids), pb, dtype=torch.uint8)
-            got = torch.empty_like(want)
             pack_pages(planes, order, ids, want)
-            copy_pages(planes, order, ids, got, into_planes=False)
+            chunk = gather(store, pool, fake_pages(ids), 0, CPU)
+            got = torch.cat([c.reshape(len(ids), -1) for c in chunk], 1)
             assert torch.equal(got, want), (profile, pool, ids)
+            assert crcs(chunk) == [crc32c(want[i].numpy()) for i in range(len(ids))]
+            sent = [c.clone() for c in chunk]
             before = [t.clone() for t in planes]
             for t in planes:
                 t.zero_()
-            copy_pages(planes, order, ids, got, into_planes=True)
-            again = torch.empty_like(got)
+            dest, in_place = targets(store, pool, ids, 1, CPU)
+            assert in_place == (ids == [1, 2, 3] and pool == "main")
+            for d, c in zip(dest, sent, strict=True):
+                d.copy_(c)                     # what irecv does
+            if not in_place:
+                scatter(store, pool, ids, dest)
+            again = torch.empty_like(want)
             pack_pages(planes, order, ids, again)
             assert torch.equal(again, want)
-            assert any(not torch.equal(a, b) for a, b in zip(planes, before, strict=True))
             for t, b in zip(planes, before, strict=True):
                 t.copy_(b)
-        page = want[0].clone()
-        zero_tail(page, planes, order, 10)
-        assert not torch.equal(page, want[0]) and page.count_nonzero() > 0
     store.close()

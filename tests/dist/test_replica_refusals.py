@@ -108,3 +108,99 @@ def test_follower_never_commands_and_leader_attaches_first(pair) -> None:  # noq
     assert follower.store.digest() == before
     with pytest.raises(ReplicaError, match="attach a Leader before any command"):
         Leader(store, lambda m: None)
+
+
+def test_shard_config_refuses_a_tp_that_does_not_divide_the_heads() -> None:
+    from ninfer_kv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tp=3 must be >= 1 and divide kv_heads=4"):
+        shard_config(w.config(), 3)
+    with pytest.raises(ConfigError, match="tp=0"):
+        shard_config(w.config(), 0)
+
+
+def test_records_of_another_stream_or_undecodable_are_refused(pair) -> None:  # noqa: ANN001
+    from ninfer_kv.dist.replica import CODEC
+    from ninfer_kv.journal.format import pack_record
+
+    store, _, follower, sent = pair
+    (r1,) = frames_of(sent[0])
+    before = follower.store.digest()
+    other: list[bytes] = []
+    second = KVStore.open(shard_config(w.config(), 2))
+    lead2 = Leader(second, other.append)              # a different salt
+    s = second.activate(10, 1)
+    second.ensure_mapped(s, "main", 10)
+    with lead2.boundary():
+        pass
+    (foreign,) = frames_of(other[-1])
+    with pytest.raises(RecordRefused, match="another leader"):
+        follower.apply_records([foreign])
+    garbage, _ = pack_record(follower.store.state.seq + 1, follower.last_crc, follower.salt, 0,
+                             b"\xc1 not msgpack")
+    with pytest.raises(RecordRefused, match="payload does not decode"):
+        follower.apply_records([garbage])
+    with pytest.raises(RecordRefused, match="trailing bytes"):
+        follower.apply_records([r1 + b"\x00"])
+    assert CODEC is not None and follower.store.digest() == before
+    follower.apply_records([r1])                      # the stream itself still applies
+    second.close()
+
+
+def test_host_tier_records_are_refused_on_a_follower() -> None:
+    from ninfer_kv.dist import ReplicaUnsupported
+
+    cfg = shard_config(w.config(host_bytes=1 << 22), 2)
+    sent: list[bytes] = []
+    store = KVStore.open(cfg)
+    leader = Leader(store, sent.append)
+    follower = Follower.from_hello(cfg, sent.pop(0))
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    store.commit(s, "main", 64)
+    ck = store.finish(s, retain=True)
+    with leader.boundary():
+        pass
+    follower.accept(sent.pop(0))
+    before = follower.store.digest()
+    store.offload(ck)
+    with leader.boundary():
+        pass
+    with pytest.raises(ReplicaUnsupported, match="host-tier"):
+        follower.accept(sent.pop(0))
+    assert follower.store.digest() == before
+    store.close()
+
+
+def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
+    from ninfer_kv.dist import ReplicaDiverged
+
+    store, leader, follower, sent = pair
+    for m in sent:
+        follower.accept(m)
+    sent.clear()
+    leader.send_digest = True
+    s = store.activate(30, 2)
+    store.ensure_mapped(s, "main", 30)
+    with leader.boundary():
+        pass
+    follower.accept(sent.pop(0))                      # digests agree
+    store.commit(s, "main", 30)
+    with leader.boundary():
+        pass
+    slot = follower.store.state.pools["main"].spaces[s].members[0]
+    follower.store.state.pools["main"].pages[slot].epoch += 5    # simulate a divergence
+    with pytest.raises(ReplicaDiverged, match="follower diverged"):
+        follower.accept(sent.pop(0))
+    with pytest.raises(ReplicaDiverged, match="stopped earlier"):
+        follower.accept(b"anything")
+    sent.clear()
+    fresh_store = KVStore.open(shard_config(w.config(), 2))
+    msgs: list[bytes] = []
+    lead = Leader(fresh_store, msgs.append)
+    f2 = Follower.from_hello(shard_config(w.config(), 2), msgs.pop(0))
+    lead.close()
+    assert f2.accept(msgs.pop(0)).end
+    with pytest.raises(ReplicaError, match="ended this stream"):
+        f2.accept(b"more")
+    fresh_store.close()

@@ -248,9 +248,9 @@ def xfer_worker(rank: int, port: int, out: str) -> None:
         res["outs"] = decode(store, rep.checkpoint, seed=99)
         res["before2"] = state_of(store)
 
-        def flip(pool: str, idx: int, data: torch.Tensor) -> None:
+        def flip(pool: str, idx: int, data: list[torch.Tensor]) -> None:
             if idx == 1:
-                data[0, 4321] ^= 0x40
+                data[0].view(-1)[4321] ^= 0x40
 
         try:
             import_(store, 0, on_chunk=flip)
@@ -275,7 +275,7 @@ def kill_worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         ck = prefill(store, PROMPT, seed=7)
 
-        def die(pool: str, idx: int, data: torch.Tensor) -> None:
+        def die(pool: str, idx: int, data: list[torch.Tensor]) -> None:
             if idx == 2:
                 os._exit(7)
 
