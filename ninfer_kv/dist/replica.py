@@ -50,7 +50,7 @@ from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.state import decode_state, digest, encode_state
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import ConfigError, StoreClosed
+from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.format import FRAME_OVERHEAD, pack_record, parse_frame
@@ -309,7 +309,7 @@ class Follower:
                     store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
                     self.stats["cow_copies"] += 1
             sync_tables(store)
-        except (*APPLY_ERRORS, ReplicaError, RuntimeError) as exc:
+        except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
             self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
             raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc

@@ -204,3 +204,25 @@ def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
     with pytest.raises(ReplicaError, match="ended this stream"):
         f2.accept(b"more")
     fresh_store.close()
+
+
+def test_one_store_one_leader_and_a_failed_apply_stops_the_follower(pair) -> None:  # noqa: ANN001
+    from ninfer_kv.dist import ReplicaDiverged
+
+    store, leader, follower, sent = pair
+    empty = KVStore.open(shard_config(w.config(), 2))
+    Leader(empty, lambda m: None)
+    with pytest.raises(ReplicaError, match="already streams its records"):
+        Leader(empty, lambda m: None)
+    empty.close()
+    for m in sent:
+        follower.accept(m)
+    sent.clear()
+    s = store.active()[-1]
+    store.ensure_mapped(s, "main", 20)
+    with leader.boundary():
+        pass
+    del follower.store.state.pools["main"].spaces[s]   # a follower whose state went wrong
+    with pytest.raises(ReplicaDiverged, match="follower stopped: record"):
+        follower.accept(sent.pop(0))
+    assert follower.failed is not None
