@@ -226,3 +226,44 @@ def test_one_store_one_leader_and_a_failed_apply_stops_the_follower(pair) -> Non
     with pytest.raises(ReplicaDiverged, match="follower stopped: record"):
         follower.accept(sent.pop(0))
     assert follower.failed is not None
+
+
+def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
+    from crc32c import crc32c
+
+    from ninfer_kv.dist import ReplicaDiverged
+    from ninfer_kv.dist.replica import FAILED, VERSION
+    from ninfer_kv.errors import ConfigError, StoreClosed
+
+    cfg = shard_config(w.config(), 2)
+    sent: list[bytes] = []
+    store = KVStore.open(cfg)
+    Leader(store, sent.append)
+    hello = msgspec.msgpack.decode(sent[0])
+    with pytest.raises(RecordRefused, match="hello of 3 bytes does not decode"):
+        Follower.from_hello(cfg, b"\x01\x02\x03")
+    with pytest.raises(RecordRefused, match="hello magic/version"):
+        Follower.from_hello(cfg, msgspec.msgpack.encode({**hello, "magic": "XXXX"}))
+    with pytest.raises(ConfigError, match="keeps no journal"):
+        Follower.from_hello(shard_config(w.config(journal_dir=str(tmp_path)), 2), sent[0])
+    with pytest.raises(RecordRefused, match="the leader announced"):
+        Follower.from_hello(cfg, msgspec.msgpack.encode({**hello, "digest": "0" * 64}))
+    follower = Follower.from_hello(cfg, sent[0])
+    with pytest.raises(ReplicaError, match="no receive function"):
+        follower.step()
+
+    def framed(body: bytes) -> bytes:
+        return body + crc32c(body).to_bytes(4, "little")
+
+    before = follower.store.digest()
+    with pytest.raises(RecordRefused, match="message does not decode"):
+        follower.accept(framed(b"\xc1"))
+    with pytest.raises(RecordRefused, match="message magic/version"):
+        follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, 0, b"", "", []])))
+    assert follower.store.digest() == before
+    with pytest.raises(ReplicaDiverged, match="the leader failed"):
+        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, FAILED, b"", "", []])))
+    follower.close()
+    with pytest.raises(StoreClosed, match="closed"):
+        follower.store.activate(10, 1)
+    store.close()
