@@ -283,3 +283,28 @@ def test_every_unsupported_use_is_a_typed_refusal(models) -> None:  # noqa: ANN0
     cache.finish()
     assert store.active() == [] and store.digest() != digest  # admitted, then finished
     store.check_invariants()
+
+
+def test_a_mask_short_of_the_reused_prefix_and_sliding_windows_are_refused(models) -> None:  # noqa: ANN001
+    """With prefix=, generate given input_ids no longer than the frontier re-fed the prefix
+    (transformers slices nothing then) and stored it twice; a sliding window would be ignored."""
+    from ninfer_kv.integrations.transformers import ninfer_kv_attention
+
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    ids, mask = batch(11, [30])
+    first = NinferKVCache(store, max_new_tokens=NEW)
+    generate(ours, ids, mask, first)
+    (ck,) = first.finish(retain=True)
+    digest = store.digest()
+    cache = NinferKVCache(store, max_new_tokens=NEW, prefix=(ck, 20))
+    with pytest.raises(InvalidArgument, match="attention mask covers 20 columns"), \
+            torch.no_grad():
+        ours(ids[:, :20], attention_mask=mask[:, :20], cache=cache)   # the prefix re-fed
+    assert store.digest() == digest and cache.get_seq_length() == 20
+    k, q = torch.randn(1, 2, 3, D), torch.randn(1, 4, 3, D)
+    cache.update(k, k, 0)
+    with pytest.raises(UnsupportedOperation, match="sliding_window=4 < max_context=256"):
+        ninfer_kv_attention(ours.model.layers[0].self_attn, q, cache._key, k, None,
+                            sliding_window=4)
+    assert store.digest() == digest
