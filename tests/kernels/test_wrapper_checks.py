@@ -73,3 +73,11 @@ def test_decode_refuses_a_context_past_the_mapped_blocks(bf16) -> None:  # noqa:
     paged_decode(q, view, ROWS, torch.tensor([128]))
     with pytest.raises(InvalidArgument, match="reads block 2 below its context 129"):
         paged_decode(q, view, ROWS, torch.tensor([129]))
+
+
+def test_decode_rows_and_lengths_must_match_the_queries(bf16) -> None:  # noqa: ANN001
+    q = torch.randn(2, H, D)
+    with pytest.raises(InvalidArgument, match="table_rows and context_lens must be"):
+        paged_decode(q, bf16, torch.tensor([0]), torch.tensor([5, 5]))
+    with pytest.raises(InvalidArgument, match="table_rows and context_lens must be"):
+        paged_decode(q, bf16, torch.tensor([0, 1]), torch.tensor([5]))
