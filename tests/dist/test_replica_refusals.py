@@ -261,7 +261,7 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(RecordRefused, match="message magic/version"):
         follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, 0, b"", "", []])))
     assert follower.store.digest() == before
-    with pytest.raises(ReplicaDiverged, match="the leader failed"):
+    with pytest.raises(ReplicaDiverged, match=r"follower at seq \d+: the leader failed"):
         follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, FAILED, b"", "", []])))
     follower.close()
     with pytest.raises(StoreClosed, match="closed"):
