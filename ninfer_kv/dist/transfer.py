@@ -3,8 +3,8 @@
 ``export(store, ck, dst)`` on the sending rank and ``import_(store, src)`` on the receiving
 rank move one inactive checkpoint: its metadata, frontier per pool, and the bytes of its pages
 in logical order — every plane of every layer, as the host tier lays a page out (§5.3,
-"HostKVPageLayout": no device ids, no holes). A chunk of whole pages travels as the CRC-32C of
-each page, then one tensor per plane: zero-copy views of the planes when the pages are
+"HostKVPageLayout": no device ids, no holes). A chunk of whole pages travels as one tensor per
+plane, then the CRC-32C of each page: zero-copy views of the planes when the pages are
 consecutive page groups (dist/packing.py), staging copies otherwise; two chunks are in flight.
 
 The receiver follows the §5.3 publication order across machines::
@@ -147,11 +147,12 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
                 for w in inflight[slot]:  # staging `slot` may hold the chunk before last
                     w.wait()
                 chunk = gather(store, name, pages[a:a + k], slot, dev)
-                sums = torch.tensor(crcs(chunk), dtype=torch.int64, device=dev)
                 if on_chunk is not None:
                     on_chunk(name, ci, chunk)
-                inflight[slot] = [dist.isend(sums, dst, group=group)] + [
-                    dist.isend(c, dst, group=group) for c in chunk]
+                # the bytes go first; their CRCs are computed while they are on the wire
+                works = [dist.isend(c, dst, group=group) for c in chunk]
+                sums = torch.tensor(crcs(chunk), dtype=torch.int64, device=dev)
+                inflight[slot] = [*works, dist.isend(sums, dst, group=group)]
                 chunks += 1
                 moved += k * pb
             for ws in inflight:
@@ -239,8 +240,8 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
         name, _, ids, _ = plan[ci]
         sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
         chunk, in_place = targets(store, name, ids, ci % 2, dev)
-        posted[ci] = (sums, chunk, in_place, [dist.irecv(sums, src, group=group)] + [
-            dist.irecv(c, src, group=group) for c in chunk])
+        posted[ci] = (sums, chunk, in_place, [dist.irecv(c, src, group=group) for c in chunk]
+                      + [dist.irecv(sums, src, group=group)])
 
     bad: str | None = None
     moved = 0
