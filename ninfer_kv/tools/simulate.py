@@ -1,5 +1,7 @@
 """Drive a KVStore with a Mooncake-format trace: a small scheduler, prefix reuse through
-retained checkpoints with an LRU retention policy, optional MTP speculation and host offload.
+retained checkpoints with the cache layer's retention policy (ninfer_kv/cache/retention.py:
+LRU, leaves before parents, demote to host before release), optional MTP speculation and host
+offload.
 
 The policy lives here, not in the engine (the store never chooses requests, sources or
 victims). One simulated round = one GPU unit: prefill of newly admitted requests (whole prompt)
@@ -14,7 +16,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ninfer_kv.cache.retention import LruRetention
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore, StoreConfig
@@ -90,6 +92,12 @@ class SimResult:
     skipped: int = 0
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
+    ideal_hit_tokens: int = 0
+    """What an unbounded cache would reuse: each prompt's longest block prefix seen before."""
+    refused_admissions: int = 0
+    """Times a waiting request could not be admitted and nothing was left to free."""
+    swaps: int = 0
+    """Active sequences swapped out to make room (preemption: not implemented yet, always 0)."""
     output_tokens: int = 0
     rounds: int = 0
     request_steps: int = 0
@@ -113,7 +121,10 @@ class SimResult:
         return {
             "requests": self.requests, "skipped": self.skipped,
             "prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
-            "prefix_hit_ratio": round(self.hit_ratio, 4), "output_tokens": self.output_tokens,
+            "prefix_hit_ratio": round(self.hit_ratio, 4),
+            "ideal_hit_ratio": round(self.ideal_hit_tokens / max(1, self.prompt_tokens), 4),
+            "refused_admissions": self.refused_admissions, "swaps": self.swaps,
+            "output_tokens": self.output_tokens,
             "rounds": self.rounds, "request_steps": self.request_steps,
             "peak_occupancy": round(self.peak_occupancy, 4), "evictions": self.evictions,
             "demotions": self.demotions, "offloaded_pages": self.offloaded_pages,
@@ -125,67 +136,13 @@ class SimResult:
         }
 
 
-class LruRetention:
-    """Retained checkpoints by recency, indexed by the prefix hash blocks they hold."""
-
-    def __init__(self) -> None:
-        self.lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # checkpoint -> hash ids
-        self.by_block: dict[int, set[int]] = {}
-        self.used: dict[int, int] = {}
-        self.demoted: set[int] = set()
-        self._tick = 0
-
-    def _touch(self, ck: int) -> None:
-        self._tick += 1
-        self.used[ck] = self._tick
-        self.lru.move_to_end(ck)
-
-    def add(self, ck: int, hashes: tuple[int, ...]) -> None:
-        self.lru[ck] = hashes
-        self._touch(ck)
-        for h in hashes:
-            self.by_block.setdefault(h, set()).add(ck)
-
-    def remove(self, ck: int) -> None:
-        del self.used[ck]
-        self.demoted.discard(ck)
-        for h in self.lru.pop(ck):
-            s = self.by_block.get(h)
-            if s is not None:
-                s.discard(ck)
-                if not s:
-                    del self.by_block[h]
-
-    def lookup(self, hashes: tuple[int, ...]) -> tuple[int | None, int]:
-        """(checkpoint, matched blocks) with the longest common prefix; most recent wins."""
-        cands: set[int] = set()
-        k = 0
-        for i, h in enumerate(hashes):
-            holders = self.by_block.get(h)
-            narrowed = holders if i == 0 else (cands & holders if holders else set())
-            if not narrowed:
-                break
-            cands, k = set(narrowed), i + 1
-        if not cands:
-            return None, 0
-        best = max(cands, key=self.used.__getitem__)
-        self._touch(best)
-        return best, k
-
-    def victim(self) -> int | None:
-        """Least recently used; checkpoints already demoted to host go last in line."""
-        for ck in self.lru:
-            if ck not in self.demoted:
-                return ck
-        return next(iter(self.lru), None)
-
-
 @dataclass(slots=True)
 class _Running:
     req: Request
     seq: int
     frontier: int
     target: int
+    parent: int | None = None
 
 
 def make_store(opts: SimOptions) -> KVStore:
@@ -225,6 +182,7 @@ def simulate(requests: list[Request], opts: SimOptions,
     store = store or make_store(opts)
     res = SimResult()
     cache = LruRetention()
+    seen: set[int] = set()
     waiting = iter(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
     queue: list[Request] = []
     running: list[_Running] = []
@@ -255,8 +213,9 @@ def simulate(requests: list[Request], opts: SimOptions,
                 res.skipped += 1
                 queue.pop(0)
                 continue
-            r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale))
+            r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale), seen)
             if r is None:
+                res.refused_admissions += 1
                 break
             queue.pop(0)
             admitted.append(r)
@@ -300,7 +259,7 @@ def simulate(requests: list[Request], opts: SimOptions,
                     timed(store.trim, r.seq, pool)
         for r in done:
             ck = timed(store.finish, r.seq, retain=True)
-            cache.add(ck, r.req.hash_ids)
+            cache.retain(ck, r.req.hash_ids, r.parent)
             running.remove(r)
             if opts.offload:
                 _offload(store, ck, cache, res, timed)
@@ -324,7 +283,16 @@ def simulate(requests: list[Request], opts: SimOptions,
 
 
 def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
-           timed: Callable[..., Any], k: int, block: int = HASH_BLOCK) -> _Running | None:
+           timed: Callable[..., Any], k: int, block: int, seen: set[int]) -> _Running | None:
+    """Admit ``req``, continuing the retained checkpoint with the longest prefix; make room
+    through the retention policy while the store refuses. ``seen``: every block admitted so
+    far (what an unbounded cache would hold: the ideal)."""
+    blocks = 0
+    for h in req.hash_ids:
+        if h not in seen:
+            break
+        blocks += 1
+    ideal = min(blocks * block, req.prompt - 1)
     while True:
         ck, blocks = cache.lookup(req.hash_ids)
         t0 = time.perf_counter()
@@ -334,32 +302,29 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
                         *(store.space(ck, p).committed for p in store.pools))
                 seq = timed(store.activate_from, ck, f, req.prompt, req.output + k - 1,
                             keep_source=True)
+                cache.restored(ck)
                 hit = f
             else:
                 seq = timed(store.activate, req.prompt, req.output + k - 1)
                 hit = 0
         except CapacityExhausted:
-            victim = cache.victim()
-            if victim is None:
+            action = timed(cache.make_room, store)
+            if action is None:
                 return None  # wait for running requests to finish
-            if store.arena is not None and timed(store.drop_device, victim):
+            if action == "demote":
                 res.demotions += 1  # device pages freed, the checkpoint lives on in host
-                cache.lru.move_to_end(victim, last=False)
-                cache.demoted.add(victim)
-                if all(c in cache.demoted for c in cache.lru):
-                    cache.demoted.clear()
-                continue
-            cache.remove(victim)
-            timed(store.release, victim)
-            res.evictions += 1
+            else:
+                res.evictions += 1
             continue
         res.activation_seconds += time.perf_counter() - t0
         res.activations += 1
         res.requests += 1
         res.prompt_tokens += req.prompt
         res.prefix_hit_tokens += hit
+        res.ideal_hit_tokens += ideal
+        seen.update(req.hash_ids)
         frontier = store.space(seq).committed
-        return _Running(req, seq, frontier, req.prompt + req.output)
+        return _Running(req, seq, frontier, req.prompt + req.output, ck)
 
 
 def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
@@ -371,9 +336,9 @@ def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
             res.offloaded_pages += timed(store.offload, ck)
             return
         except HostArenaError:
-            victim = cache.victim()
-            if victim is None or victim == ck:
+            victim = next((c for c in cache.victims() if c != ck), None)
+            if victim is None:
                 return
-            cache.remove(victim)
+            cache.forget(victim)
             timed(store.release, victim)
             res.evictions += 1

@@ -1,0 +1,133 @@
+"""Which retained checkpoints to keep: the retention policy, a layer above the store.
+
+The store never selects a victim (spec §1: "the store never selects"); an engine's resource
+manager does. This module is one it can use or replace: ``LruRetention`` indexes retained
+checkpoints by the prefix blocks they hold (any hashable block keys: the trace's hash ids,
+or ``PrefixIndex.block_hashes``) and, when admission needs device pages, frees them through
+the store's public API (``make_room``).
+
+Victim order (``victims``), first to go first:
+
+1. lower ``priority(ck)`` first (a hook: e.g. keep system-prompt prefixes at a higher one);
+2. leaves before parents: a checkpoint that another retained checkpoint continues from
+   (``checkpoint_info(ck).parent``) holds the prefix they share, so it outlives its branches;
+3. least recently used first (retained or looked up).
+
+With a host tier, a victim that still has device pages is first demoted (``drop_device``:
+its pages live on in host memory and a later continuation restores them) and only released
+when nothing is left to demote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from ninfer_kv.engine.store import KVStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    key: tuple[Hashable, ...]   # the prefix blocks the checkpoint holds, in order
+    parent: int | None
+    used: int = 0               # recency tick
+    children: int = 0           # retained checkpoints continued from this one
+    demoted: bool = False       # device pages dropped; lives in the host tier
+
+
+class LruRetention:
+    """Retained checkpoints by recency, indexed by their prefix blocks. Invariants: every
+    indexed checkpoint is retained in the store (``retain`` after ``finish(retain=True)``,
+    ``forget`` before ``release``); ``children[p]`` counts indexed entries whose parent is
+    ``p``."""
+
+    def __init__(self, priority: Callable[[int], int] | None = None) -> None:
+        self.entries: dict[int, Entry] = {}
+        self.by_block: dict[Hashable, set[int]] = {}
+        self.priority = priority or (lambda ck: 0)
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _touch(self, ck: int) -> None:
+        self._tick += 1
+        self.entries[ck].used = self._tick
+
+    def retain(self, ck: int, key: Sequence[Hashable], parent: int | None = None) -> None:
+        """Index retained checkpoint ``ck`` holding prefix blocks ``key``: chained keys (a
+        block's key identifies its whole prefix, as vLLM's block hashes and the trace's hash
+        ids do), so a key never matches at another position."""
+        if parent not in self.entries:
+            parent = None
+        self.entries[ck] = Entry(tuple(key), parent)
+        self._touch(ck)
+        if parent is not None:
+            self.entries[parent].children += 1
+        for h in key:
+            self.by_block.setdefault(h, set()).add(ck)
+
+    def forget(self, ck: int) -> None:
+        e = self.entries.pop(ck)
+        if e.parent is not None and e.parent in self.entries:
+            self.entries[e.parent].children -= 1
+        for c in self.entries.values():   # its children become roots
+            if c.parent == ck:
+                c.parent = None
+        for h in e.key:
+            s = self.by_block.get(h)
+            if s is not None:
+                s.discard(ck)
+                if not s:
+                    del self.by_block[h]
+
+    def lookup(self, key: Sequence[Hashable]) -> tuple[int | None, int]:
+        """(checkpoint, matched blocks) with the longest common prefix of ``key``; the most
+        recently used wins a tie, and is touched."""
+        cands: set[int] = set()
+        k = 0
+        for i, h in enumerate(key):
+            holders = self.by_block.get(h)
+            narrowed = holders if i == 0 else (cands & holders if holders else set())
+            if not narrowed:
+                break
+            cands, k = set(narrowed), i + 1
+        if not cands:
+            return None, 0
+        best = max(cands, key=lambda c: self.entries[c].used)
+        self._touch(best)
+        return best, k
+
+    def victims(self) -> Iterator[int]:
+        """Every indexed checkpoint, first victim first (see the module docstring)."""
+        yield from sorted(self.entries, key=lambda c: (
+            self.priority(c), self.entries[c].children > 0, self.entries[c].used))
+
+    def make_room(self, store: KVStore) -> str | None:
+        """Free device pages for one more admission attempt: demote the first victim that
+        still has device pages (host tier on), else release the first victim. Returns
+        "demote", "release" or None (nothing left to free)."""
+        if store.arena is not None:
+            for ck in self.victims():
+                e = self.entries[ck]
+                if not e.demoted and store.drop_device(ck):
+                    e.demoted = True
+                    log.debug("retention.demote", checkpoint=ck)
+                    return "demote"
+                e.demoted = True   # no device pages left to drop
+        # releasing a device-resident checkpoint frees device pages; a demoted one only host
+        for ck in sorted(self.victims(), key=lambda c: self.entries[c].demoted):
+            self.forget(ck)
+            store.release(ck)
+            log.debug("retention.release", checkpoint=ck)
+            return "release"
+        return None
+
+    def restored(self, ck: int) -> None:
+        """``ck`` was continued (its pages are on the device again)."""
+        if ck in self.entries:
+            self.entries[ck].demoted = False

@@ -1,0 +1,102 @@
+"""The retention policy (ninfer_kv/cache/retention.py): victim order is priority, then leaves
+before parents, then least recently used (hypothesis against a brute-force oracle); make_room
+demotes to the host tier before it releases, and only through the store's public API."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from ninfer_kv import KVStore, ModelGeometry, ServingConfig, StoreConfig
+from ninfer_kv.cache.retention import LruRetention
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.integers(0, 2)),
+                min_size=1, max_size=25))
+def test_victim_order_matches_an_oracle(ops: list[tuple[int, int, int]]) -> None:
+    prio = {}
+    pol = LruRetention(priority=lambda ck: prio[ck])
+    clock, used, parent = 0, {}, {}
+    for kind, ck, p in ops:
+        if kind <= 1 and ck not in pol.entries:               # retain, maybe as a child
+            par = next((c for c in pol.entries if c % 3 == p), None) if kind == 1 else None
+            prio[ck] = p
+            pol.retain(ck, (ck % 4, 10 + ck), par)   # chained keys: position-unique
+            clock += 1
+            used[ck], parent[ck] = clock, par
+        elif kind == 2 and ck in pol.entries:                 # looked up -> recently used
+            got, n = pol.lookup((ck % 4, 10 + ck))
+            assert n == 2 and got == ck
+            clock += 1
+            used[ck] = clock
+        elif kind == 3 and ck in pol.entries:
+            pol.forget(ck)
+            del used[ck]
+            parent = {c: (None if q == ck else q) for c, q in parent.items() if c != ck}
+    alive = set(used)
+    children = {c: sum(1 for d in alive if parent.get(d) == c) for c in alive}
+    want = sorted(alive, key=lambda c: (prio[c], children[c] > 0, used[c]))
+    assert list(pol.victims()) == want
+    assert all(pol.entries[c].children == children[c] for c in alive)
+
+
+def _store(host: bool) -> KVStore:
+    return KVStore.open(StoreConfig(
+        model=ModelGeometry(layers=1, kv_heads=1, head_dim=64, mtp_layers=0),
+        serving=ServingConfig(max_context=256, max_concurrency=4), kv_tokens=8 * 64,
+        host_bytes=1 << 20 if host else 0))
+
+
+def _retained(store: KVStore, tokens: int) -> int:
+    s = store.activate(tokens, 1)
+    store.ensure_mapped(s, "main", tokens)
+    store.commit(s, "main", tokens)
+    ck = store.finish(s, retain=True)
+    with store.boundary():
+        pass
+    return ck
+
+
+def test_make_room_demotes_before_it_releases_and_keeps_parents() -> None:
+    store = _store(host=True)
+    pol = LruRetention()
+    a = _retained(store, 128)
+    pol.retain(a, (1, 2))
+    child = store.activate_from(a, 64, 100, 1)            # continues a: a is a parent
+    store.ensure_mapped(child, "main", 100)
+    store.commit(child, "main", 100)
+    b = store.finish(child, retain=True)
+    pol.retain(b, (1, 3), parent=store.checkpoint_info(b).parent)
+    assert store.checkpoint_info(b).parent == a and pol.entries[a].children == 1
+    for ck in (a, b):
+        store.offload(ck)
+    with store.boundary():
+        pass
+    free = store.occupancy()["main"]["available"]
+    assert list(pol.victims()) == [b, a]                  # the leaf first, though newer
+    assert pol.make_room(store) == "demote"
+    with store.boundary():
+        pass
+    assert pol.entries[b].demoted and not pol.entries[a].demoted
+    assert store.occupancy()["main"]["available"] > free
+    assert pol.make_room(store) == "demote"               # then the parent
+    with store.boundary():
+        pass
+    assert store.checkpoint_info(a).pools["main"].device_pages == 0
+    assert pol.make_room(store) == "release"              # nothing left to demote
+    assert b not in pol.entries and b not in store.checkpoints()
+    assert pol.make_room(store) == "release" and pol.make_room(store) is None
+    store.check_invariants()
+
+
+def test_without_a_host_tier_make_room_releases_least_recent_first() -> None:
+    store = _store(host=False)
+    pol = LruRetention()
+    a, b = _retained(store, 64), _retained(store, 64)
+    pol.retain(a, (1,))
+    pol.retain(b, (2,))
+    pol.lookup((1,))                                      # a is used again: b goes first
+    assert pol.make_room(store) == "release"
+    assert store.checkpoints() == [a] and list(pol.entries) == [a]
+    store.check_invariants()
