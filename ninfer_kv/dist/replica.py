@@ -131,8 +131,9 @@ class Leader:
         try:
             seq = self.store.close_boundary()
         except BaseException:
-            self._stop(FAILED)
-            raise
+            if self.store.failed is not None:  # the boundary failed: the stream ends here
+                self._stop(FAILED)
+            raise                              # a refusal (e.g. FrozenUnit) changed nothing
         try:
             self.flush(note)
             yield seq
@@ -149,7 +150,11 @@ class Leader:
         open (the caller owns it)."""
         if self.store.record_hook is None:
             return
-        if self.store._pending and not self.store.failed and not self.store.closed:
+        if self.store.failed is not None:    # fail-stop: followers must not end "cleanly"
+            self._frames.clear()
+            self._stop(FAILED)
+            return
+        if self.store._pending and not self.store.closed:
             self.store._publish_record()
         self.flush(flags=END)
         self.store.record_hook = None

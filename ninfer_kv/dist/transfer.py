@@ -81,6 +81,12 @@ def layout_of(store: KVStore) -> dict[str, Any]:
 
 def _pages_of(store: KVStore, ck: int) -> list[tuple[str, int, list[LogicalKVPage]]]:
     st = store.state
+    if store._pending or store._effects or store._transfers:
+        # a queued COW tail copy or H2D restore may be what gives these pages their bytes
+        # (§9.3, §5.3): the planes hold them only after the boundary runs it
+        raise TransferRefused(f"export of {ck}: {len(store._pending)} events and "
+                              f"{len(store._effects) + len(store._transfers)} copies are queued "
+                              "for the next boundary; publish it (close a boundary) first")
     b = st.bundles.get(ck)
     if b is None or b.active:
         raise TransferRefused(f"export: {ck} is not an inactive checkpoint (active sequences "
@@ -126,7 +132,13 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
     if store.closed:
         raise StoreClosed("export refused: the store is closed")
     t0 = time.perf_counter()
-    pools = _pages_of(store, ck)
+    try:
+        pools = _pages_of(store, ck)
+    except TransferRefused as exc:  # tell the receiver, which is waiting for a header
+        with contextlib.suppress(RuntimeError):
+            send_bytes(msgspec.msgpack.encode({"magic": MAGIC, "version": VERSION,
+                                               "refused": str(exc)}), dst, group)
+        raise
     b = store.state.bundles[ck]
     pbs = {s.name: s.page_bytes for s in store.state.pool_specs}
     per = {n: max(1, chunk_bytes // pbs[n]) for n, _, _ in pools}
@@ -277,10 +289,18 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
     src = operator.index(src)
     if store.closed:
         raise StoreClosed("import_ refused: the store is closed")
+    if store.record_hook is not None:
+        raise TransferRefused("import_ refused: this store streams its records to TP followers "
+                              "(a Leader), which would get the checkpoint without its bytes")
     try:
         h = msgspec.msgpack.decode(recv_bytes(src, group))
     except RuntimeError as exc:
         raise TransferAborted(f"import from rank {src}: no header ({exc})") from exc
+    except msgspec.DecodeError as exc:
+        raise TransferRefused(f"import from rank {src}: the header does not decode ({exc})"
+                              ) from None
+    if isinstance(h, dict) and h.get("refused"):  # the sender refused before any byte moved
+        raise TransferRefused(f"rank {src} refused the export: {h['refused']}")
     t0 = time.perf_counter()  # from the header's arrival: waiting for a sender is not transfer
     try:
         try:
@@ -330,7 +350,8 @@ def _publish(store: KVStore, seq: int, pools: Pools, h: dict[str, Any]) -> int:
             store.commit(seq, n, f)
     if h.get("meta"):
         store.set_metadata(seq, msgspec.msgpack.decode(h["meta"]))
-    store.finish(seq, retain=True, reason=str(h.get("reason") or "imported"))
+    reason = h.get("reason")
+    store.finish(seq, retain=True, reason="imported" if reason is None else str(reason))
     with store.boundary():
         pass
     return seq

@@ -267,3 +267,64 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(StoreClosed, match="closed"):
         follower.store.activate(10, 1)
     store.close()
+
+
+def test_a_refused_boundary_keeps_the_stream_a_failed_one_ends_it(pair) -> None:  # noqa: ANN001
+    """Regression: a harmless FrozenUnit inside Leader.boundary detached the leader (later
+    records were never shipped), and close() after a fail-stop told followers 'ended'."""
+    from ninfer_kv.dist import ReplicaDiverged
+    from ninfer_kv.errors import FrozenUnit, StoreFailed
+
+    store, leader, follower, sent = pair
+    with leader.boundary(), pytest.raises(FrozenUnit):
+        with leader.boundary():                        # nested: refused, nothing changed
+            pass
+    s = store.activate(40, 60)
+    store.ensure_mapped(s, "main", 40)
+    with leader.boundary():
+        pass
+    for m in sent:
+        follower.accept(m)
+    assert follower.store.digest() == store.digest()    # still in step
+    sent.clear()
+    store.ensure_mapped(s, "main", 70)                  # a new page: its table entry
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("device write failed")
+
+    store.device.write_table = broken                   # the next boundary fails
+    with pytest.raises(StoreFailed), leader.boundary():
+        pass
+    leader.close()
+    with pytest.raises(ReplicaDiverged, match="the leader failed"):
+        for m in sent:
+            follower.accept(m)
+
+
+def test_export_waits_for_queued_copies_and_a_leader_store_imports_nothing() -> None:
+    """Regression: export read pages whose COW tail copy was still queued (the receiver
+    published the bytes before the copy), and import_ on a TP leader gave followers a
+    checkpoint without bytes."""
+    from ninfer_kv.dist import TransferRefused, import_
+    from ninfer_kv.dist.transfer import _pages_of
+
+    store = KVStore.open(w.config())
+    s = store.activate(100, 1)
+    store.ensure_mapped(s, "main", 100)
+    store.commit(s, "main", 100)
+    ck = store.finish(s, retain=True)
+    with store.boundary():
+        pass
+    child = store.activate_from(ck, 70, 70, 1)          # queues the tail copy (Fork mid-page)
+    kept = store.finish(child, retain=True)
+    with pytest.raises(TransferRefused, match="copies are queued"):
+        _pages_of(store, kept)
+    with store.boundary():
+        pass
+    assert [len(p) for _, _, p in _pages_of(store, kept)] == [2]
+    store.close()
+    leader_store = KVStore.open(shard_config(w.config(), 2))
+    Leader(leader_store, lambda m: None)
+    with pytest.raises(TransferRefused, match="streams its records"):
+        import_(leader_store, 0)
+    leader_store.close()
