@@ -81,11 +81,10 @@ def layout_of(store: KVStore) -> dict[str, Any]:
 
 def _pages_of(store: KVStore, ck: int) -> list[tuple[str, int, list[LogicalKVPage]]]:
     st = store.state
-    if store._pending or store._effects or store._transfers:
+    if store._effects:
         # a queued COW tail copy or H2D restore may be what gives these pages their bytes
         # (§9.3, §5.3): the planes hold them only after the boundary runs it
-        raise TransferRefused(f"export of {ck}: {len(store._pending)} events and "
-                              f"{len(store._effects) + len(store._transfers)} copies are queued "
+        raise TransferRefused(f"export of {ck}: {len(store._effects)} device copies are queued "
                               "for the next boundary; publish it (close a boundary) first")
     b = st.bundles.get(ck)
     if b is None or b.active:
