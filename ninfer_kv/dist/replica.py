@@ -344,7 +344,7 @@ def sync_tables(store: KVStore) -> int:
         for sp in pool.spaces.values():
             if not sp.active:
                 continue
-            n = len(sp.members)
+            n = sp.nmem
             want = np.fromiter((pages[s].device for s in sp.members),  # type: ignore[union-attr]
                                np.int32, n)
             diff = np.flatnonzero(pd.host_tables[sp.row, :n] != want)

@@ -4,34 +4,111 @@ An address space owns the logical order of its pages; the block table is only th
 mirror of an active space's device mapping (§6.1). For an active space the reservation is
 derived: ``reserved = entitlement - len(members)`` (entitlement counts membership pages,
 shared or private, plus the pages still to be materialized).
+
+Storage: a space has a dense index ``i`` into its pool's per-space arrays (``PoolState.sp_*``),
+which hold the fields the decode round reads for every sequence — membership (slot ids, one
+row of ``sp_members`` with ``sp_nmem`` valid entries), committed frontier, entitlement, active
+flag — so a batch of C sequences is validated and applied with array operations. The object is
+the view the cold paths use; the other fields are plain attributes. ``PoolState.spaces``
+(bundle -> space) and ``PoolState.bundle_index`` (the same map as an array) are one structure.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+# ``p`` below is an engine.pool.PoolState; typed loosely because pool.py imports this module
+# (the engine's import graph stays acyclic, tests/engine/test_import_graph.py)
+PoolState = Any
 
 NO_ROW = -1
 
 
 class KVAddressSpace:
-    __slots__ = ("bundle", "pool", "members", "committed", "provisional", "protected", "active",
-                 "entitlement", "row", "incoming")
+    __slots__ = ("_p", "i", "bundle", "pool", "provisional", "protected", "row", "incoming")
 
-    def __init__(self, bundle: int, pool: str, entitlement: int, row: int) -> None:
+    def __init__(self, p: PoolState, bundle: int, entitlement: int, row: int) -> None:
+        self._p = p
+        self.i = p.alloc_space()
         self.bundle = bundle
-        self.pool = pool
-        self.members: list[int] = []   # logical block b -> page slot
-        self.committed = 0             # canonical token frontier
+        self.pool = p.name
+        p.sp_nmem[self.i] = 0          # membership: logical block b -> page slot
+        p.sp_committed[self.i] = 0     # canonical token frontier
+        p.sp_entitlement[self.i] = entitlement  # pages guaranteed (membership + reservation)
+        p.sp_active[self.i] = True
         self.provisional = 0           # speculative frontier; never committed coverage
         self.protected = 0             # checkpoint-protected frontier
-        self.active = True
-        self.entitlement = entitlement  # pages guaranteed (membership + reservation)
         self.row = row                 # execution row, NO_ROW when inactive
         self.incoming = 0              # pages a Move/Fork of this record still hands over
+
+    # --- array-backed fields --------------------------------------------------------------
+    @property
+    def members(self) -> list[int]:
+        """A copy of the membership (slot ids by logical block); change it by assignment,
+        ``append_member`` or ``trim_members`` (apply only)."""
+        return self._p.sp_members[self.i, :self._p.sp_nmem[self.i]].tolist()
+
+    @members.setter
+    def members(self, slots: Iterable[int]) -> None:
+        slots = list(slots)
+        p = self._p
+        p.ensure_members(len(slots))
+        p.sp_members[self.i, :len(slots)] = slots
+        p.sp_nmem[self.i] = len(slots)
+
+    @property
+    def nmem(self) -> int:
+        """``len(members)`` without the copy."""
+        return int(self._p.sp_nmem[self.i])
+
+    def member(self, block: int) -> int:
+        """``members[block]`` without the copy (``0 <= block < nmem``)."""
+        assert 0 <= block < self._p.sp_nmem[self.i], (self.bundle, block)
+        return int(self._p.sp_members[self.i, block])
+
+    def append_member(self, slot: int) -> None:
+        p, n = self._p, int(self._p.sp_nmem[self.i])
+        p.ensure_members(n + 1)
+        p.sp_members[self.i, n] = slot
+        p.sp_nmem[self.i] = n + 1
+
+    def trim_members(self, keep: int) -> list[int]:
+        """Cut the membership to its first ``keep`` blocks; returns the slots cut off."""
+        p, n = self._p, int(self._p.sp_nmem[self.i])
+        dropped = p.sp_members[self.i, keep:n].tolist()
+        p.sp_nmem[self.i] = min(n, keep)
+        return dropped
+
+    @property
+    def committed(self) -> int:
+        return int(self._p.sp_committed[self.i])
+
+    @committed.setter
+    def committed(self, v: int) -> None:
+        self._p.sp_committed[self.i] = v
+
+    @property
+    def entitlement(self) -> int:
+        return int(self._p.sp_entitlement[self.i])
+
+    @entitlement.setter
+    def entitlement(self, v: int) -> None:
+        self._p.sp_entitlement[self.i] = v
+
+    @property
+    def active(self) -> bool:
+        return bool(self._p.sp_active[self.i])
+
+    @active.setter
+    def active(self, v: bool) -> None:
+        self._p.sp_active[self.i] = v
 
     @property
     def reserved(self) -> int:
         """Entitled pages not yet in the membership and not promised by the source of a
         Move/Fork in flight (``incoming``, non-zero only inside one record)."""
-        return self.entitlement - len(self.members) - self.incoming if self.active else 0
+        return self.entitlement - self.nmem - self.incoming if self.active else 0
 
     def as_tuple(self) -> tuple:
         return (self.bundle, self.committed, self.provisional, self.protected, self.active,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.layout import P
@@ -39,7 +41,7 @@ def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKV
     else:
         pool.free_slots.remove(slot)
     assert pool.pages[slot] is None, f"slot {slot} of {pool.name} is live"
-    page = LogicalKVPage(slot, pool.gens[slot], device, writer, True)
+    page = LogicalKVPage(pool, slot, pool.gens[slot], device, writer, True)
     pool.pages[slot] = page
     if device != NO_PAGE:
         pool.free_pages.remove(device)
@@ -96,7 +98,7 @@ def _configure(st: StoreState, e: ev.Configure) -> None:
 def _activate(st: StoreState, e: ev.Activate) -> None:
     pool = st.pools[e.pool]
     assert e.bundle not in pool.spaces
-    sp = pool.spaces[e.bundle] = KVAddressSpace(e.bundle, e.pool, e.entitlement, e.row)
+    sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
     pool.reserved += e.entitlement - e.held
     pool.free_rows.remove(e.row)
@@ -122,21 +124,32 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
                             unpack(e.pages).tolist(), strict=True):
         sp = spaces[b]
         _new_page(pool, slot, dev, b)
-        sp.members.append(slot)
+        sp.append_member(slot)
         pool.reserved -= 1
 
 
 def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
+    """Array-applied: the decode case (the new frontier stays in the block the old one is in)
+    for the whole batch at once, every other sequence through ``_set_committed``."""
     pool = st.pools[e.pool]
-    spaces, pages = pool.spaces, pool.pages
-    for b, f in zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True):
-        sp = spaces[b]
-        blk = (f - 1) // P
-        if sp.committed // P == blk:  # the decode case: columns grow inside one page
-            pages[sp.members[blk]].committed = f - blk * P  # type: ignore[union-attr]
-            sp.committed = f
-        else:
-            _set_committed(pool, sp, f)
+    b = unpack(e.bundles).astype(np.int64)
+    f = unpack(e.frontiers).astype(np.int64)
+    assert len(b) == len(f) and (len(b) == 0 or (b.min() >= 0 and b.max()
+                                                 < len(pool.bundle_index)))
+    idx = pool.bundle_index[b]
+    assert (idx >= 0).all(), f"commit of an unknown seq in {e.pool}"
+    if len(np.unique(idx)) != len(idx):  # a foreign journal: apply one by one, in order
+        for bundle, fr in zip(b.tolist(), f.tolist(), strict=True):
+            _set_committed(pool, pool.spaces[bundle], fr)
+        return
+    blk = (f - 1) // P
+    fast = pool.sp_committed[idx] // P == blk  # the decode case: columns grow inside one page
+    fi = idx[fast]
+    pool.pg_committed[pool.sp_members[fi, blk[fast]]] = f[fast] - blk[fast] * P
+    pool.sp_committed[fi] = f[fast]
+    if not fast.all():
+        for j in np.flatnonzero(~fast).tolist():
+            _set_committed(pool, pool.spaces[int(b[j])], int(f[j]))
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
@@ -150,7 +163,7 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
     sp = pool.spaces[e.bundle]
     f = e.frontier
     for b in range(f // P, (sp.committed + P - 1) // P):
-        page = pool.pages[sp.members[b]]
+        page = pool.pages[sp.member(b)]
         assert page is not None
         cols = max(0, f - b * P)
         if cols < page.committed:
@@ -163,8 +176,7 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
 def _trim(st: StoreState, e: ev.Trim) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
-    dropped = sp.members[e.keep:]
-    del sp.members[e.keep:]
+    dropped = sp.trim_members(e.keep)
     for slot in dropped:
         _unref(st, pool, slot, e.bundle, sp.active)
     if sp.active:
@@ -256,7 +268,7 @@ def _move(st: StoreState, e: ev.Move) -> None:
     src.members = []
     dst.committed = dst.provisional = e.frontier
     dst.protected = 0
-    pool.reserved -= len(dst.members) - dst.incoming
+    pool.reserved -= dst.nmem - dst.incoming
     dst.incoming = 0
     _drop_space(st, pool, e.src)
     st.bundles[e.dst].parent = e.src
@@ -287,8 +299,8 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     dst = pool.spaces[e.dst]
     page = _new_page(pool, e.slot, e.page, e.dst)
     page.committed = e.columns
-    dst.members.append(e.slot)
-    dst.committed = dst.provisional = (len(dst.members) - 1) * P + e.columns
+    dst.append_member(e.slot)
+    dst.committed = dst.provisional = (dst.nmem - 1) * P + e.columns
     pool.reserved -= 1
 
 

@@ -49,6 +49,28 @@ def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
     return out
 
 
+def as_int_array(name: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
+    """A batch of integers as a 1-D int64 array (the array-valued commands' form). Every
+    element goes through ``operator.index`` (numpy integer arrays are accepted whole); a value
+    outside int64 is refused by name."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind == "i":
+        return values.astype(np.int64, copy=False)
+    ints = as_ints(name, values)
+    try:
+        return np.array(ints, dtype=np.int64)
+    except OverflowError:
+        big = next(v for v in ints if not -(1 << 63) <= v < (1 << 63))
+        raise InvalidArgument(f"{name}: {big} does not fit in 64 bits") from None
+
+
+def duplicated(values: np.ndarray) -> list[int]:
+    """The values that appear more than once in ``values`` (sorted; empty when none)."""
+    if len(values) < 2:
+        return []
+    s = np.sort(values)
+    return np.unique(s[1:][s[1:] == s[:-1]]).tolist()
+
+
 def same_length(**batches: Sequence[Any]) -> int:
     """The common length of batched arguments; refuses a mismatch naming every length."""
     lengths = {k: len(v) for k, v in batches.items()}

@@ -50,16 +50,16 @@ class WriteGuard:
                     f"checked write: seq {b} pool {p.name} position {x} is below its committed "
                     f"frontier {sp.committed}; committed tokens are not rewritten (§8.1)")
             blk = x // P
-            if blk >= len(sp.members):
+            if blk >= sp.nmem:
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name} position {x} is not mapped "
-                    f"(membership {len(sp.members) * P} tokens; ensure_mapped first, §8.1)")
+                    f"(membership {sp.nmem * P} tokens; ensure_mapped first, §8.1)")
             if (self._pool, b) in self._store._touched:
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name}: its table row has changes not yet "
                     "published; a kernel would write through the old entries (boundary first, "
                     "§8.4)")
-            pg = p.pages[sp.members[blk]]
+            pg = p.pages[sp.member(blk)]
             assert pg is not None
             published = int(self._store.device.pools[self._pool].block_tables[r, blk])
             if published != pg.device:

@@ -254,8 +254,8 @@ class StoreCore:
             sp = self.state.pools[pool].spaces.get(bundle)
             if sp is None or not sp.active:
                 continue
-            pages = self.state.pools[pool].pages
-            ids = [pages[s].device for s in sp.members[start:]]  # type: ignore[union-attr]
+            p = self.state.pools[pool]
+            ids = p.pg_device[p.sp_members[sp.i, start:sp.nmem]]
             self.device.write_table(pool, sp.row, start, ids)  # unmaps what it mapped after
         self._touched.clear()
         durable = False

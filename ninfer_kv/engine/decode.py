@@ -23,7 +23,13 @@ import numpy as np
 
 from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_ints, no_duplicates, same_length
+from ninfer_kv.engine.args import (
+    as_int_array,
+    as_ints,
+    duplicated,
+    no_duplicates,
+    same_length,
+)
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
@@ -31,6 +37,7 @@ from ninfer_kv.errors import (
     EntitlementExceeded,
     FrontierError,
     InactiveSpace,
+    InvalidArgument,
     UnknownHandle,
     WritePermissionError,
 )
@@ -70,51 +77,79 @@ def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
 
 
 def why_not_writable(p: PoolState, bundle: int, block: int) -> str:
-    pg = p.pages[p.spaces[bundle].members[block]]
+    pg = p.pages[p.spaces[bundle].member(block)]
     assert pg is not None
     return (f"seq {bundle} pool {p.name} block {block} (page {p.name}:{pg.slot}): writer="
             f"{pg.writer}, refs={pg.refs}, protected={pg.protected}, pins={pg.pins}, epoch="
             f"{pg.epoch}: only the single private writer may write (§9.4)")
 
 
+def resolve_active(p: PoolState, bundles: np.ndarray) -> np.ndarray:
+    """The space indices (``PoolState.sp_*``) of a batch of active sequences of ``p``; refuses
+    (typed, naming the value) an unknown or inactive sequence. Array operations only, unless
+    something is refused."""
+    bi = p.bundle_index
+    n = len(bi)
+    inside = (bundles >= 0) & (bundles < n)
+    idx = np.where(inside, bi[np.where(inside, bundles, 0)], -1)
+    ok = idx >= 0
+    ok[ok] = p.sp_active[idx[ok]]
+    if not ok.all():
+        lookup(p, int(bundles[np.argmin(ok)]), active=True)  # raises the precise error
+        raise AssertionError("unreachable: lookup accepted a refused sequence")
+    return idx
+
+
+def batch_arrays(p: PoolState, bundles: Sequence[int] | np.ndarray, values: Sequence[int]
+                 | np.ndarray, vname: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bundles, values, space indices) of a batched command over active sequences, no
+    sequence twice."""
+    b = as_int_array("seqs", bundles)
+    v = as_int_array(vname, values)
+    same_length(seqs=b, **{vname: v})
+    dup = duplicated(b)
+    if dup:
+        raise InvalidArgument(f"seqs: {dup} appear more than once in one batched command")
+    return b, v, resolve_active(p, b)
+
+
 # --- 1. mapping (§8.1) ------------------------------------------------------------------------
 def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                        tokens: Sequence[int] | np.ndarray) -> int:
-    """``ensure_mapped_to_tokens`` for a batch: a lower bound. Returns the pages materialized."""
-    spaces = p.spaces
+    """``ensure_mapped_to_tokens`` for a batch: a lower bound. Returns the pages materialized.
+    The batch is checked with array operations; only sequences that need pages (one in P
+    rounds when decoding) are visited one by one."""
+    b, t, idx = batch_arrays(p, bundles, tokens, "tokens")
+    needed = (t + (P - 1)) // P
+    have = p.sp_nmem[idx]
+    grow = (needed > have) | (t < 0)
+    if not grow.any():
+        return 0
     need_b: list[int] = []
     need_n: list[int] = []
-    bl, tl = batch(bundles, "seqs", tokens, "tokens")
     limit = p.logical_pages
-    for b, t in zip(bl, tl, strict=True):
-        sp = spaces.get(b)
-        if sp is None or not sp.active:
-            lookup(p, b, active=True)  # raises the precise error
-        needed = (t + P - 1) // P
-        have = len(sp.members)  # type: ignore[union-attr]
-        if needed <= have and t >= 0:
-            continue
-        if t < 0 or needed > limit:
-            raise FrontierError(f"seq {b} pool {p.name}: tokens={t} outside [0, L*P="
+    for j in np.flatnonzero(grow).tolist():
+        bj, tj, nj, hj = int(b[j]), int(t[j]), int(needed[j]), int(have[j])
+        if tj < 0 or nj > limit:
+            raise FrontierError(f"seq {bj} pool {p.name}: tokens={tj} outside [0, L*P="
                                 f"{limit * P}]")
-        if needed > sp.entitlement:  # type: ignore[union-attr]
+        ent = int(p.sp_entitlement[idx[j]])
+        if nj > ent:
             raise EntitlementExceeded(
-                f"seq {b} pool {p.name} needs {needed} pages for {t} tokens, entitlement is "
-                f"{sp.entitlement} (§8.1)")  # type: ignore[union-attr]
-        need_b.extend([b] * (needed - have))
-        need_n.append(have)
-    if not need_b:
-        return 0
+                f"seq {bj} pool {p.name} needs {nj} pages for {tj} tokens, entitlement is "
+                f"{ent} (§8.1)")
+        need_b.extend([bj] * (nj - hj))
+        need_n.append(hj)
     slots = p.pick_slots(len(need_b))
     pages = p.pick_pages(len(need_b))
     tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
     prev = None
     i = 0
-    for b in need_b:
-        if b != prev:
-            tx._touch(p.name, b, need_n[i])  # publish from the first new block on
+    for bj in need_b:
+        if bj != prev:
+            tx._touch(p.name, bj, need_n[i])  # publish from the first new block on
             i += 1
-            prev = b
+            prev = bj
     tx.stats["materialized"] += len(need_b)
     return len(need_b)
 
@@ -122,35 +157,43 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
 # --- 3. frontiers (§8.1, §8.2) ------------------------------------------------------------------
 def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                 frontiers: Sequence[int] | np.ndarray) -> None:
-    """Advance committed frontiers after the unit succeeded; one event for the batch."""
-    spaces, pages = p.spaces, p.pages
-    bl, fl = batch(bundles, "seqs", frontiers, "frontiers")
-    if not bl:
+    """Advance committed frontiers after the unit succeeded; one event for the batch.
+
+    Checked with array operations: every frontier within [committed, membership], and §9.4
+    write permission of the block the new columns land in when they stay in one block (the
+    decode case); a sequence whose columns span several blocks (a prefill) is checked block
+    by block."""
+    b, f, idx = batch_arrays(p, bundles, frontiers, "frontiers")
+    if not len(b):
         return
-    for b, f in zip(bl, fl, strict=True):
-        sp = spaces.get(b)
-        if sp is None or not sp.active:
-            lookup(p, b, active=True)
-        members = sp.members  # type: ignore[union-attr]
-        old = sp.committed  # type: ignore[union-attr]
-        if f < old or f > len(members) * P:
-            raise FrontierError(
-                f"seq {b} pool {p.name}: commit frontier {f} outside [committed={old}, "
-                f"membership={len(members) * P}] (use truncate to move back)")
-        # write permission (§9.4) of every block the new columns land in; a decode step
-        # touches one block, so that case is checked without a loop
-        lo, hi = old // P, (f + P - 1) // P
-        if hi - lo == 1:
-            if not writable(pages[members[lo]], b, old - lo * P):  # type: ignore[arg-type]
-                raise WritePermissionError(why_not_writable(p, b, lo))
-        else:
-            for blk in range(lo, hi):
-                first = old - blk * P if blk == lo else 0  # first column written here
-                if not writable(pages[members[blk]], b, first):  # type: ignore[arg-type]
-                    raise WritePermissionError(why_not_writable(p, b, blk))
+    old = p.sp_committed[idx]
+    limit = p.sp_nmem[idx] * P
+    bad = (f < old) | (f > limit)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise FrontierError(
+            f"seq {int(b[j])} pool {p.name}: commit frontier {int(f[j])} outside [committed="
+            f"{int(old[j])}, membership={int(limit[j])}] (use truncate to move back)")
+    lo = old // P
+    span = (f + (P - 1)) // P - lo          # blocks the new columns land in
+    one = span == 1
+    if one.any():
+        slot = p.sp_members[idx[one], lo[one]]
+        ok = ((p.pg_writer[slot] == b[one]) & (p.pg_pins[slot] == 0)
+              & (p.pg_protected[slot] <= old[one] - lo[one] * P))
+        if not ok.all():
+            j = int(np.flatnonzero(one)[np.argmin(ok)])
+            raise WritePermissionError(why_not_writable(p, int(b[j]), int(lo[j])))
+    for j in np.flatnonzero(span > 1).tolist():
+        sp = p.spaces[int(b[j])]
+        first_blk, oj = int(lo[j]), int(old[j])
+        for blk in range(first_blk, first_blk + int(span[j])):
+            first = oj - blk * P if blk == first_blk else 0  # first column written here
+            if not writable(p.pages[sp.member(blk)], int(b[j]), first):  # type: ignore[arg-type]
+                raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
     if tx.config.checked and tx.config.allocate_planes:
-        checked.check_commit(tx, p.name, bl, fl)
-    tx._emit(ev.CommitFrontiers(p.name, pack(bl), pack(fl)))
+        checked.check_commit(tx, p.name, b.tolist(), f.tolist())
+    tx._emit(ev.CommitFrontiers(p.name, pack(b), pack(f)))
 
 
 def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
@@ -159,8 +202,8 @@ def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndar
     bl, fl = batch(bundles, "seqs", frontiers, "frontiers")
     for b, f in zip(bl, fl, strict=True):
         sp = lookup(p, b, active=True)
-        if not 0 <= f <= len(sp.members) * P:
+        if not 0 <= f <= sp.nmem * P:
             raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} outside "
-                                f"[0, membership {len(sp.members) * P}]")
+                                f"[0, membership {sp.nmem * P}]")
     if bl:
         tx._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))

@@ -94,7 +94,7 @@ class IncrementalChecker:
                     pm.refs[s] += 1
                     pm.arefs[s] += sp.active
                 if sp.active:
-                    m.contrib = sp.entitlement - len(sp.members) - sp.incoming
+                    m.contrib = sp.entitlement - sp.nmem - sp.incoming
                     pm.reserved += m.contrib
                     if sp.row >= 0 and sp.row not in pm.rows:
                         m.row = sp.row

@@ -60,21 +60,21 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
             refs[s] += 1
             if sp.active:
                 active_refs[s] += 1
-        if len(set(sp.members)) != len(sp.members):
+        if len(set(sp.members)) != sp.nmem:
             out.append(f"bundle {b}: a page appears twice in one membership")
-        if len(sp.members) > pool.logical_pages:
-            out.append(f"bundle {b}: {len(sp.members)} pages > L={pool.logical_pages}")
-        if not sp.protected <= sp.committed <= len(sp.members) * P:
+        if sp.nmem > pool.logical_pages:
+            out.append(f"bundle {b}: {sp.nmem} pages > L={pool.logical_pages}")
+        if not sp.protected <= sp.committed <= sp.nmem * P:
             out.append(f"bundle {b}: frontiers protected={sp.protected} committed={sp.committed} "
-                       f"membership={len(sp.members) * P} out of order")
-        if not 0 <= sp.provisional <= len(sp.members) * P:
+                       f"membership={sp.nmem * P} out of order")
+        if not 0 <= sp.provisional <= sp.nmem * P:
             out.append(f"bundle {b}: provisional frontier {sp.provisional} outside "
-                       f"[0, membership {len(sp.members) * P}]")
+                       f"[0, membership {sp.nmem * P}]")
         if sp.active:
-            if sp.entitlement < len(sp.members) + sp.incoming:
-                out.append(f"bundle {b}: membership {len(sp.members)} + incoming "
+            if sp.entitlement < sp.nmem + sp.incoming:
+                out.append(f"bundle {b}: membership {sp.nmem} + incoming "
                            f"{sp.incoming} > entitlement {sp.entitlement}")
-            reserved += sp.entitlement - len(sp.members) - sp.incoming
+            reserved += sp.entitlement - sp.nmem - sp.incoming
             if sp.row < 0:
                 out.append(f"active bundle {b} holds no execution row")
             elif sp.row in rows:

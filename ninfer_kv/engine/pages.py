@@ -4,11 +4,22 @@ A page is identified by ``(pool, slot, generation)``. The device page id is only
 current device replica lives; identity, content epoch and physical id are independent (§14).
 A slot is recycled — and its generation advanced — only when references, replicas and pins are
 all zero (§5.3 last paragraph); a handle with an old generation then fails loudly.
+
+Storage: the fields the decode round reads for every sequence (committed and protected
+columns, writer, pins, device id) live in the pool's per-slot arrays (``PoolState.pg_*``,
+structure of arrays), so ``commit_many`` checks a whole batch with array operations. A
+``LogicalKVPage`` is the per-page view the cold paths use: its properties read and write those
+arrays; the remaining fields are plain attributes. Each field has exactly one home.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# ``pool`` below is an engine.pool.PoolState; typed loosely because pool.py imports this module
+# (the engine's import graph stays acyclic, tests/engine/test_import_graph.py)
+PoolState = Any
 
 NO_PAGE = -1
 
@@ -16,21 +27,63 @@ NO_PAGE = -1
 class LogicalKVPage:
     """Mutable descriptor; only ``apply`` changes it."""
 
-    __slots__ = ("slot", "gen", "epoch", "committed", "protected", "refs", "active_refs",
-                 "writer", "device", "pins", "host")
+    __slots__ = ("_p", "slot", "gen", "epoch", "refs", "active_refs", "host")
 
-    def __init__(self, slot: int, gen: int, device: int, writer: int, active: bool) -> None:
+    def __init__(self, pool: PoolState, slot: int, gen: int, device: int, writer: int,
+                 active: bool) -> None:
+        pool.ensure_slot(slot)
+        self._p = pool
         self.slot = slot
         self.gen = gen
         self.epoch = 0
-        self.committed = 0          # committed columns 0..P
-        self.protected = 0          # columns covered by a published checkpoint
         self.refs = 1               # address-space references
         self.active_refs = 1 if active else 0
-        self.writer = writer        # bundle id of the single writer, or NO_PAGE
-        self.device = device        # device page-group lease, or NO_PAGE
-        self.pins = 0               # transaction pins
         self.host: tuple[int, int, int, int] | None = None  # (offset, epoch, coverage, checksum)
+        pool.pg_committed[slot] = 0     # committed columns 0..P
+        pool.pg_protected[slot] = 0     # columns covered by a published checkpoint
+        pool.pg_writer[slot] = writer   # bundle id of the single writer, or NO_PAGE
+        pool.pg_device[slot] = device   # device page-group lease, or NO_PAGE
+        pool.pg_pins[slot] = 0          # transaction pins
+
+    @property
+    def committed(self) -> int:
+        return int(self._p.pg_committed[self.slot])
+
+    @committed.setter
+    def committed(self, v: int) -> None:
+        self._p.pg_committed[self.slot] = v
+
+    @property
+    def protected(self) -> int:
+        return int(self._p.pg_protected[self.slot])
+
+    @protected.setter
+    def protected(self, v: int) -> None:
+        self._p.pg_protected[self.slot] = v
+
+    @property
+    def writer(self) -> int:
+        return int(self._p.pg_writer[self.slot])
+
+    @writer.setter
+    def writer(self, v: int) -> None:
+        self._p.pg_writer[self.slot] = v
+
+    @property
+    def device(self) -> int:
+        return int(self._p.pg_device[self.slot])
+
+    @device.setter
+    def device(self, v: int) -> None:
+        self._p.pg_device[self.slot] = v
+
+    @property
+    def pins(self) -> int:
+        return int(self._p.pg_pins[self.slot])
+
+    @pins.setter
+    def pins(self, v: int) -> None:
+        self._p.pg_pins[self.slot] = v
 
     def as_tuple(self) -> tuple[int, ...]:
         h = self.host or (NO_PAGE, 0, 0, 0)

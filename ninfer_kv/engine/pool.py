@@ -9,19 +9,85 @@ address spaces of (entitlement - membership), ``available`` = the rest. Reservat
 *counts*, not ids: any free id can satisfy any reservation, so ``free_pages`` (ids without a
 lease) holds exactly ``reserved + available`` ids. The command picks the lowest free ids
 (locality), and nothing depends on contiguity (§4.2).
+
+Structure of arrays: the per-page fields the decode round reads live in ``pg_*`` (by slot),
+the per-space ones in ``sp_*`` (by a space's dense index, recycled when the space is dropped);
+``LogicalKVPage`` and ``KVAddressSpace`` are views over them (engine/pages.py,
+engine/address_space.py). ``pages[slot]`` (a view, or None for a free slot) says which slots
+are live; ``spaces`` maps bundle -> space and keeps ``bundle_index`` (the same map as an array,
+-1 = none) in step. Arrays grow by doubling; their spare tail holds no state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
+
+import numpy as np
 from sortedcontainers import SortedList
 
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.pages import LogicalKVPage
 
+I64 = np.int64
+
+
+def _grown(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """``a`` with at least ``n`` entries along axis 0 (doubling), the new ones ``fill``."""
+    cap = max(n, 2 * len(a), 16)
+    out = np.full((cap, *a.shape[1:]), fill, dtype=a.dtype)
+    out[:len(a)] = a
+    return out
+
+
+class SpaceMap(MutableMapping[int, KVAddressSpace]):
+    """bundle -> KVAddressSpace of one pool, iterated in bundle order; every change also
+    updates ``PoolState.bundle_index`` and frees a dropped space's array index."""
+
+    __slots__ = ("_p", "_d")
+
+    def __init__(self, p: PoolState) -> None:
+        self._p = p
+        self._d: dict[int, KVAddressSpace] = {}
+
+    def __getitem__(self, bundle: int) -> KVAddressSpace:
+        return self._d[bundle]
+
+    def get(self, bundle: int, default: KVAddressSpace | None = None  # type: ignore[override]
+            ) -> KVAddressSpace | None:
+        return self._d.get(bundle, default)
+
+    def __contains__(self, bundle: object) -> bool:
+        return bundle in self._d
+
+    def __setitem__(self, bundle: int, sp: KVAddressSpace) -> None:
+        assert bundle not in self._d and sp.bundle == bundle and sp._p is self._p
+        p = self._p
+        if bundle >= len(p.bundle_index):
+            p.bundle_index = _grown(p.bundle_index, bundle + 1, -1)
+        p.bundle_index[bundle] = sp.i
+        self._d[bundle] = sp
+
+    def __delitem__(self, bundle: int) -> None:
+        sp = self._d.pop(bundle)
+        p = self._p
+        p.bundle_index[bundle] = -1
+        p.sp_active[sp.i] = False
+        p.sp_nmem[sp.i] = 0
+        p.sp_free.append(sp.i)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._d))
+
+    def __len__(self) -> int:
+        return len(self._d)
+
 
 class PoolState:
     __slots__ = ("name", "capacity", "rows", "logical_pages", "free_pages", "reserved",
-                 "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces")
+                 "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces",
+                 "pg_committed", "pg_protected", "pg_writer", "pg_pins", "pg_device",
+                 "sp_members", "sp_nmem", "sp_committed", "sp_entitlement", "sp_active",
+                 "sp_free", "bundle_index")
 
     def __init__(self, name: str, capacity: int, rows: int, logical_pages: int) -> None:
         self.name = name
@@ -35,7 +101,23 @@ class PoolState:
         self.pages: list[LogicalKVPage | None] = []  # by slot
         self.gens: list[int] = []               # generation of each slot
         self.free_slots = SortedList()
-        self.spaces: dict[int, KVAddressSpace] = {}  # bundle -> space
+        # per slot (LogicalKVPage's array-backed fields)
+        n = max(16, capacity)
+        self.pg_committed = np.zeros(n, I64)
+        self.pg_protected = np.zeros(n, I64)
+        self.pg_writer = np.full(n, -1, I64)
+        self.pg_pins = np.zeros(n, I64)
+        self.pg_device = np.full(n, -1, I64)
+        # per space index (KVAddressSpace's array-backed fields)
+        m = max(16, 2 * rows)
+        self.sp_members = np.full((m, min(logical_pages, 16)), -1, np.int32)
+        self.sp_nmem = np.zeros(m, I64)
+        self.sp_committed = np.zeros(m, I64)
+        self.sp_entitlement = np.zeros(m, I64)
+        self.sp_active = np.zeros(m, np.bool_)
+        self.sp_free: list[int] = list(range(m - 1, -1, -1))  # stack: lowest index on top
+        self.bundle_index = np.full(64, -1, I64)
+        self.spaces = SpaceMap(self)            # bundle -> space
 
     @property
     def allocated(self) -> int:
@@ -56,3 +138,31 @@ class PoolState:
 
     def pick_pages(self, n: int) -> list[int]:
         return list(self.free_pages[:n])
+
+    # --- array capacity (no state: only room for it) ------------------------------------------
+    def ensure_slot(self, slot: int) -> None:
+        if slot >= len(self.pg_committed):
+            for name, fill in (("pg_committed", 0), ("pg_protected", 0), ("pg_writer", -1),
+                               ("pg_pins", 0), ("pg_device", -1)):
+                setattr(self, name, _grown(getattr(self, name), slot + 1, fill))
+
+    def ensure_members(self, n: int) -> None:
+        """Room for ``n`` membership entries per space."""
+        have = self.sp_members.shape[1]
+        if n > have:
+            cols = max(n, min(2 * have, self.logical_pages))
+            grown = np.full((len(self.sp_members), cols), -1, np.int32)
+            grown[:, :have] = self.sp_members
+            self.sp_members = grown
+
+    def alloc_space(self) -> int:
+        """A free space index (lowest first); the arrays grow when none is left."""
+        if not self.sp_free:
+            old = len(self.sp_nmem)
+            self.sp_members = _grown(self.sp_members, old + 1, -1)
+            new = len(self.sp_members)
+            for name, fill in (("sp_nmem", 0), ("sp_committed", 0), ("sp_entitlement", 0),
+                               ("sp_active", 0)):
+                setattr(self, name, _grown(getattr(self, name), new, fill))
+            self.sp_free = list(range(new - 1, old - 1, -1))
+        return self.sp_free.pop()

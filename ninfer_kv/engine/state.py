@@ -127,14 +127,14 @@ def decode_state(data: bytes) -> StoreState:
         p.gens = list(ps.gens)
         p.pages = [None] * len(p.gens)
         for t in ps.pages:
-            pg = LogicalKVPage(t[0], t[1], t[8], t[7], False)
+            pg = LogicalKVPage(p, t[0], t[1], t[8], t[7], False)
             (pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
                 t[2], t[3], t[4], t[5], t[6], t[9])
             pg.host = None if t[10] == NO_PAGE else (t[10], t[11], t[12], t[13])
             p.pages[pg.slot] = pg
         p.free_slots = SortedList(i for i, pg in enumerate(p.pages) if pg is None)
         for t in ps.spaces:
-            sp = KVAddressSpace(t[0], ps.name, t[5], t[6])
+            sp = KVAddressSpace(p, t[0], t[5], t[6])
             sp.committed, sp.provisional, sp.protected, sp.active = t[1], t[2], t[3], t[4]
             sp.members = list(t[7])
             sp.incoming = t[8] if len(t) > 8 else 0

@@ -189,18 +189,18 @@ class KVStore(StoreCore):
         bundle = as_int("seq", bundle)
         sp = self._space(bundle, pool, active=True)
         keep = ceil_div(max(sp.committed, sp.provisional), P)
-        if keep >= len(sp.members):
+        if keep >= sp.nmem:
             return 0
         self._check_private(self._pool(pool), sp, keep)
-        n = len(sp.members) - keep
+        n = sp.nmem - keep
         self._emit(ev.Trim(bundle, sp.pool, keep))
         self._touch(sp.pool, bundle, keep)
         checked.forget(self, sp.pool, bundle, keep * P)  # a page mapped again is unwritten
         return n
 
     def _check_private(self, p: PoolState, sp: KVAddressSpace, start: int) -> None:
-        for blk in range(start, len(sp.members)):
-            pg = p.pages[sp.members[blk]]
+        for blk in range(start, sp.nmem):
+            pg = p.pages[sp.member(blk)]
             if pg is None or pg.refs != 1 or pg.pins:
                 raise WritePermissionError(why_not_writable(p, sp.bundle, blk))
 
@@ -222,7 +222,7 @@ class KVStore(StoreCore):
         keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
         self._check_private(p, sp, keep)
         events: list[Any] = [ev.Truncate(bundle, p.name, frontier)]
-        if keep < len(sp.members):
+        if keep < sp.nmem:
             events.append(ev.Trim(bundle, p.name, keep))
             self._touch(p.name, bundle, keep)
         self._emit(*events)
@@ -247,7 +247,7 @@ class KVStore(StoreCore):
         for pool in b.pools:
             sp = self.state.pools[pool].spaces[bundle]
             keep = ceil_div(sp.committed, P)
-            if keep < len(sp.members):
+            if keep < sp.nmem:
                 self._check_private(self.state.pools[pool], sp, keep)
                 if sp.provisional > sp.committed:  # the speculative lead ends with the trim
                     events.append(ev.ProvisionalFrontiers(pool, pack([bundle]),

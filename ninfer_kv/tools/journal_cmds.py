@@ -137,7 +137,7 @@ def describe(st: StoreState, seq: int | None = None) -> dict[str, Any]:
             spaces.append({"seq": b, "pool": name, "active": sp.active,
                            "committed": sp.committed, "provisional": sp.provisional,
                            "protected": sp.protected, "entitlement": sp.entitlement,
-                           "reserved": sp.reserved, "pages": len(sp.members), "row": sp.row,
+                           "reserved": sp.reserved, "pages": sp.nmem, "row": sp.row,
                            "members": list(sp.members)})
     host = None
     if st.host is not None:

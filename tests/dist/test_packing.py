@@ -14,13 +14,15 @@ from ninfer_kv.dist.packing import crcs, gather, scatter, targets
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import Profile
 from ninfer_kv.engine.pages import LogicalKVPage
+from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.kernels.copy import pack_pages
 
 CPU = torch.device("cpu")
 
 
 def fake_pages(ids: list[int]) -> list[LogicalKVPage]:
-    return [LogicalKVPage(slot=i, gen=1, device=g, writer=-1, active=False)
+    pool = PoolState("fake", max(ids) + 1, 1, 1)
+    return [LogicalKVPage(pool, slot=i, gen=1, device=g, writer=-1, active=False)
             for i, g in enumerate(ids)]
 
 

@@ -147,7 +147,7 @@ def revive(st: StoreState, e: Any, members: list[int]) -> None:
     """Put a fresh, unreferenced page back into a slot the event recycled."""
     p = pool(st, e)
     s = next(x for x in members if p.pages[x] is None)
-    pg = p.pages[s] = LogicalKVPage(s, p.gens[s], NO_PAGE, NO_PAGE, False)
+    pg = p.pages[s] = LogicalKVPage(p, s, p.gens[s], NO_PAGE, NO_PAGE, False)
     pg.refs = 0
 
 
@@ -157,7 +157,7 @@ first_main_act = lambda e: e.pool == "main" and e.bundle == 1  # noqa: E731
 
 CASES = [
     # --- spaces (_sync) ----------------------------------------------------------------------
-    Case("dup member", MAT, lambda st, e, c: space(st, e).members.append(space(st, e).members[-1]),
+    Case("dup member", MAT, lambda st, e, c: space(st, e).append_member(space(st, e).members[-1]),
          "appears twice in one membership", "appears twice", main),
     Case("space key", ACT, lambda st, e, c: setattr(space(st, e), "bundle", 99),
          "space key 1 != bundle 99", "space key", first_main_act),
