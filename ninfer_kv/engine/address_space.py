@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ninfer_kv.engine.pages import ArrayField
+
 # ``p`` below is an engine.pool.PoolState; typed loosely because pool.py imports this module
 # (the engine's import graph stays acyclic, tests/engine/test_import_graph.py)
 PoolState = Any
@@ -80,29 +82,9 @@ class KVAddressSpace:
         p.sp_nmem[self.i] = min(n, keep)
         return dropped
 
-    @property
-    def committed(self) -> int:
-        return int(self._p.sp_committed[self.i])
-
-    @committed.setter
-    def committed(self, v: int) -> None:
-        self._p.sp_committed[self.i] = v
-
-    @property
-    def entitlement(self) -> int:
-        return int(self._p.sp_entitlement[self.i])
-
-    @entitlement.setter
-    def entitlement(self, v: int) -> None:
-        self._p.sp_entitlement[self.i] = v
-
-    @property
-    def active(self) -> bool:
-        return bool(self._p.sp_active[self.i])
-
-    @active.setter
-    def active(self, v: bool) -> None:
-        self._p.sp_active[self.i] = v
+    committed = ArrayField("sp_committed", "i")
+    entitlement = ArrayField("sp_entitlement", "i")
+    active = ArrayField("sp_active", "i", bool)
 
     @property
     def reserved(self) -> int:

@@ -24,6 +24,24 @@ PoolState = Any
 NO_PAGE = -1
 
 
+class ArrayField:
+    """A view's field stored in its pool's array ``array`` at the view's ``key`` attribute
+    (the slot of a page, the index of a space); read as ``conv`` (int or bool)."""
+
+    __slots__ = ("array", "key", "conv")
+
+    def __init__(self, array: str, key: str, conv: type = int) -> None:
+        self.array, self.key, self.conv = array, key, conv
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return self.conv(getattr(obj._p, self.array)[getattr(obj, self.key)])
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        getattr(obj._p, self.array)[getattr(obj, self.key)] = value
+
+
 class LogicalKVPage:
     """Mutable descriptor; only ``apply`` changes it."""
 
@@ -45,45 +63,11 @@ class LogicalKVPage:
         pool.pg_device[slot] = device   # device page-group lease, or NO_PAGE
         pool.pg_pins[slot] = 0          # transaction pins
 
-    @property
-    def committed(self) -> int:
-        return int(self._p.pg_committed[self.slot])
-
-    @committed.setter
-    def committed(self, v: int) -> None:
-        self._p.pg_committed[self.slot] = v
-
-    @property
-    def protected(self) -> int:
-        return int(self._p.pg_protected[self.slot])
-
-    @protected.setter
-    def protected(self, v: int) -> None:
-        self._p.pg_protected[self.slot] = v
-
-    @property
-    def writer(self) -> int:
-        return int(self._p.pg_writer[self.slot])
-
-    @writer.setter
-    def writer(self, v: int) -> None:
-        self._p.pg_writer[self.slot] = v
-
-    @property
-    def device(self) -> int:
-        return int(self._p.pg_device[self.slot])
-
-    @device.setter
-    def device(self, v: int) -> None:
-        self._p.pg_device[self.slot] = v
-
-    @property
-    def pins(self) -> int:
-        return int(self._p.pg_pins[self.slot])
-
-    @pins.setter
-    def pins(self, v: int) -> None:
-        self._p.pg_pins[self.slot] = v
+    committed = ArrayField("pg_committed", "slot")
+    protected = ArrayField("pg_protected", "slot")
+    writer = ArrayField("pg_writer", "slot")
+    device = ArrayField("pg_device", "slot")
+    pins = ArrayField("pg_pins", "slot")
 
     def as_tuple(self) -> tuple[int, ...]:
         h = self.host or (NO_PAGE, 0, 0, 0)
