@@ -109,6 +109,7 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/host.py", "filter", ("can_drop_device", "replica_valid", "_select", "offload",
                                         "drop_device", "drop_host", "drops_after_publish")),
     Target("engine/decode.py", "filter", ("writable",)),
+    Target("engine/round_kernels.py", "filter", ops=("guard",)),
     Target("engine/continuation.py", "filter", ("unrecoverable_reason",)),
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
@@ -164,6 +165,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                            "tests/kernels/test_store_kernels.py", *ENGINE], MACHINE),
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
                                                    "lock.py", "args.py")),
+    ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
     ("kernels/*.py", KERNELS, MACHINE),
@@ -351,10 +353,20 @@ def _stringish(e: ast.expr | None) -> bool:
     return isinstance(e, ast.JoinedStr) or (isinstance(e, ast.Constant) and isinstance(e.value, str))
 
 
+REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE"})
+"""engine/round_kernels.py's refusal codes: an ``if`` returning one is a check (guard op)."""
+
+
+def _returns_code(value: ast.expr | None) -> bool:
+    parts = value.elts if isinstance(value, ast.Tuple) else [value]
+    return any(isinstance(p, ast.Name) and p.id in REFUSAL_CODES for p in parts)
+
+
 def _is_guard(stmt: ast.If) -> bool:
-    """The body returns or yields a reason string, or sets a verdict variable."""
+    """The body returns or yields a reason string or a refusal code, or sets a verdict
+    variable."""
     for s in stmt.body:
-        if isinstance(s, ast.Return) and _stringish(s.value):
+        if isinstance(s, ast.Return) and (_stringish(s.value) or _returns_code(s.value)):
             return True
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Yield) and _stringish(s.value.value):
             return True
@@ -461,6 +473,9 @@ def build(m: Mutant, module: ModuleType, tree: ast.Module, owner: Any) -> Any:
     unit = copy.deepcopy(_find_unit(tree, m.unit))
     rep = _Replace(m.key, m.replacement)
     unit = rep.visit(unit)
+    for d in unit.decorator_list:  # numba's cache is keyed by name: a mutant must not hit it
+        if isinstance(d, ast.Call):
+            d.keywords = [k for k in d.keywords if k.arg != "cache"]
     if not rep.done:
         raise RuntimeError(f"{m.id}: node {m.key} not found in {m.unit}")
     if "." in m.unit and any(isinstance(n, ast.Attribute) and n.attr.startswith("__")

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from sortedcontainers import SortedList
 
+from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.layout import P
@@ -119,37 +121,71 @@ def _publish(st: StoreState, e: ev.PublishActive) -> None:
 
 def _materialize(st: StoreState, e: ev.Materialize) -> None:
     pool = st.pools[e.pool]
-    spaces = pool.spaces
-    for b, slot, dev in zip(unpack(e.bundles).tolist(), unpack(e.slots).tolist(),
-                            unpack(e.pages).tolist(), strict=True):
-        sp = spaces[b]
-        _new_page(pool, slot, dev, b)
-        sp.append_member(slot)
-        pool.reserved -= 1
+    b, slots, devs = unpack(e.bundles), unpack(e.slots), unpack(e.pages)
+    assert len(b) == len(slots) == len(devs), f"Materialize of {e.pool}: lengths differ"
+    if not len(b):
+        return
+    assert b.min() >= 0 and b.max() < len(pool.bundle_index), f"Materialize in {e.pool}: {b}"
+    idx = pool.bundle_index[b]
+    assert (idx >= 0).all(), f"Materialize for a seq without a space in {e.pool}: {b}"
+    _new_pages(pool, slots, devs, b)
+    u, counts = np.unique(idx, return_counts=True)
+    pool.ensure_members(int((pool.sp_nmem[u] + counts).max()))
+    rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
+    pool.reserved -= len(b)
+
+
+def _take(free: SortedList, ids: list[int]) -> None:
+    """Remove ``ids`` from a sorted free list. A command picks the lowest free ids in order,
+    so they are one slice at the front; anything else (a foreign journal) goes one by one."""
+    n = len(ids)
+    if free[:n] == ids:
+        del free[:n]
+    else:
+        for i in ids:
+            free.remove(i)
+
+
+def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
+               ) -> None:
+    """``_new_page`` for a batch: the array fields with one assignment each, the free lists
+    cut as slices. Slots are reused ones (lowest free first) then fresh ones in order, as
+    ``PoolState.pick_slots`` hands them out; any other order goes one by one."""
+    sl = slots.tolist()
+    n_old = len(pool.pages)
+    reused = [s for s in sl if s < n_old]
+    fresh = sl[len(reused):]
+    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
+        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
+            _new_page(pool, s, d, w)
+        return
+    pages, gens = pool.pages, pool.gens
+    assert all(pages[s] is None for s in reused), f"a reused slot of {pool.name} is live"
+    _take(pool.free_slots, reused)
+    lease = devs[devs != NO_PAGE].tolist()
+    _take(pool.free_pages, lease)
+    pages.extend([None] * len(fresh))
+    gens.extend([0] * len(fresh))
+    pool.ensure_slot(int(slots.max()))
+    pool.pg_committed[slots] = 0
+    pool.pg_protected[slots] = 0
+    pool.pg_writer[slots] = writers
+    pool.pg_device[slots] = devs
+    pool.pg_pins[slots] = 0
+    adopt = LogicalKVPage.adopt
+    for s in sl:
+        pages[s] = adopt(pool, s, gens[s], True)
 
 
 def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
-    """Array-applied: the decode case (the new frontier stays in the block the old one is in)
-    for the whole batch at once, every other sequence through ``_set_committed``."""
+    """Applied in event order by one compiled loop (engine/round_kernels.py), the same rule
+    as ``_set_committed``."""
     pool = st.pools[e.pool]
-    b = unpack(e.bundles).astype(np.int64)
-    f = unpack(e.frontiers).astype(np.int64)
-    assert len(b) == len(f) and (len(b) == 0 or (b.min() >= 0 and b.max()
-                                                 < len(pool.bundle_index)))
-    idx = pool.bundle_index[b]
-    assert (idx >= 0).all(), f"commit of an unknown seq in {e.pool}"
-    if len(np.unique(idx)) != len(idx):  # a foreign journal: apply one by one, in order
-        for bundle, fr in zip(b.tolist(), f.tolist(), strict=True):
-            _set_committed(pool, pool.spaces[bundle], fr)
-        return
-    blk = (f - 1) // P
-    fast = pool.sp_committed[idx] // P == blk  # the decode case: columns grow inside one page
-    fi = idx[fast]
-    pool.pg_committed[pool.sp_members[fi, blk[fast]]] = f[fast] - blk[fast] * P
-    pool.sp_committed[fi] = f[fast]
-    if not fast.all():
-        for j in np.flatnonzero(~fast).tolist():
-            _set_committed(pool, pool.spaces[int(b[j])], int(f[j]))
+    b, f = unpack(e.bundles), unpack(e.frontiers)
+    assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
+    bad = rk.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_members,
+                          pool.pg_committed)
+    assert bad < 0, f"commit of seq {int(b[bad])}, which has no space in {e.pool}"
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:

@@ -73,11 +73,11 @@ def duplicated(values: np.ndarray) -> list[int]:
 
 def same_length(**batches: Sequence[Any]) -> int:
     """The common length of batched arguments; refuses a mismatch naming every length."""
-    lengths = {k: len(v) for k, v in batches.items()}
-    if len(set(lengths.values())) > 1:
+    lengths = [len(v) for v in batches.values()]
+    if lengths and min(lengths) != max(lengths):
         raise InvalidArgument("batched arguments differ in length: "
-                              + ", ".join(f"{k}={n}" for k, n in lengths.items()))
-    return next(iter(lengths.values()), 0)
+                              + ", ".join(f"{k}={len(v)}" for k, v in batches.items()))
+    return lengths[0] if lengths else 0
 
 
 def no_duplicates(name: str, values: Sequence[int]) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ninfer_kv.engine import checked
+from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import (
     as_int_array,
@@ -84,62 +85,46 @@ def why_not_writable(p: PoolState, bundle: int, block: int) -> str:
             f"{pg.epoch}: only the single private writer may write (§9.4)")
 
 
-def resolve_active(p: PoolState, bundles: np.ndarray) -> np.ndarray:
-    """The space indices (``PoolState.sp_*``) of a batch of active sequences of ``p``; refuses
-    (typed, naming the value) an unknown or inactive sequence. Array operations only, unless
-    something is refused."""
-    bi = p.bundle_index
-    n = len(bi)
-    inside = (bundles >= 0) & (bundles < n)
-    idx = np.where(inside, bi[np.where(inside, bundles, 0)], -1)
-    ok = idx >= 0
-    ok[ok] = p.sp_active[idx[ok]]
-    if not ok.all():
-        lookup(p, int(bundles[np.argmin(ok)]), active=True)  # raises the precise error
-        raise AssertionError("unreachable: lookup accepted a refused sequence")
-    return idx
-
-
 def batch_arrays(p: PoolState, bundles: Sequence[int] | np.ndarray, values: Sequence[int]
                  | np.ndarray, vname: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bundles, values, space indices) of a batched command over active sequences, no
-    sequence twice."""
+    """(bundles, values, space indices ``PoolState.sp_*``) of a batched command over active
+    sequences of ``p``, no sequence twice; one compiled pass unless something is refused."""
     b = as_int_array("seqs", bundles)
     v = as_int_array(vname, values)
     same_length(seqs=b, **{vname: v})
-    dup = duplicated(b)
-    if dup:
-        raise InvalidArgument(f"seqs: {dup} appear more than once in one batched command")
-    return b, v, resolve_active(p, b)
+    idx, code, j = rk.resolve(b, p.bundle_index, p.sp_active)
+    if code != rk.OK:
+        dup = duplicated(b)
+        if dup:
+            raise InvalidArgument(f"seqs: {dup} appear more than once in one batched command")
+        lookup(p, int(b[j]), active=True)  # raises the precise error
+        raise AssertionError(f"unreachable: resolve refused seq {int(b[j])} (code {code})")
+    return b, v, idx
 
 
 # --- 1. mapping (§8.1) ------------------------------------------------------------------------
 def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                        tokens: Sequence[int] | np.ndarray) -> int:
     """``ensure_mapped_to_tokens`` for a batch: a lower bound. Returns the pages materialized.
-    The batch is checked with array operations; only sequences that need pages (one in P
-    rounds when decoding) are visited one by one."""
+    The batch is checked in one compiled pass (engine/round_kernels.py); only sequences that
+    need pages (one in P rounds when decoding) are visited in Python."""
     b, t, idx = batch_arrays(p, bundles, tokens, "tokens")
-    needed = (t + (P - 1)) // P
-    have = p.sp_nmem[idx]
-    grow = (needed > have) | (t < 0)
-    if not grow.any():
-        return 0
-    need_b: list[int] = []
-    need_n: list[int] = []
-    limit = p.logical_pages
-    for j in np.flatnonzero(grow).tolist():
-        bj, tj, nj, hj = int(b[j]), int(t[j]), int(needed[j]), int(have[j])
-        if tj < 0 or nj > limit:
+    total, code, j = rk.plan_mapping(idx, t, p.sp_nmem, p.sp_entitlement, p.logical_pages)
+    if code != rk.OK:
+        bj, tj, nj = int(b[j]), int(t[j]), (int(t[j]) + P - 1) // P
+        if code == rk.FRONTIER:
             raise FrontierError(f"seq {bj} pool {p.name}: tokens={tj} outside [0, L*P="
-                                f"{limit * P}]")
-        ent = int(p.sp_entitlement[idx[j]])
-        if nj > ent:
-            raise EntitlementExceeded(
-                f"seq {bj} pool {p.name} needs {nj} pages for {tj} tokens, entitlement is "
-                f"{ent} (§8.1)")
-        need_b.extend([bj] * (nj - hj))
-        need_n.append(hj)
+                                f"{p.logical_pages * P}]")
+        raise EntitlementExceeded(
+            f"seq {bj} pool {p.name} needs {nj} pages for {tj} tokens, entitlement is "
+            f"{int(p.sp_entitlement[idx[j]])} (§8.1)")
+    if total == 0:
+        return 0
+    have = p.sp_nmem[idx]
+    grow = np.flatnonzero((t + (P - 1)) // P > have)
+    new = (t[grow] + (P - 1)) // P - have[grow]
+    need_b = np.repeat(b[grow], new).tolist()
+    need_n = have[grow].tolist()
     slots = p.pick_slots(len(need_b))
     pages = p.pick_pages(len(need_b))
     tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
@@ -159,38 +144,21 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                 frontiers: Sequence[int] | np.ndarray) -> None:
     """Advance committed frontiers after the unit succeeded; one event for the batch.
 
-    Checked with array operations: every frontier within [committed, membership], and §9.4
-    write permission of the block the new columns land in when they stay in one block (the
-    decode case); a sequence whose columns span several blocks (a prefill) is checked block
-    by block."""
+    Checked in one compiled pass (engine/round_kernels.py): every frontier within
+    [committed, membership], and §9.4 write permission of every block the new columns land
+    in (one block when decoding, several after a prefill)."""
     b, f, idx = batch_arrays(p, bundles, frontiers, "frontiers")
     if not len(b):
         return
-    old = p.sp_committed[idx]
-    limit = p.sp_nmem[idx] * P
-    bad = (f < old) | (f > limit)
-    if bad.any():
-        j = int(np.argmax(bad))
+    code, j, blk = rk.check_commit(b, idx, f, p.sp_committed, p.sp_nmem, p.sp_members,
+                                   p.pg_writer, p.pg_pins, p.pg_protected)
+    if code == rk.FRONTIER:
+        old, limit = int(p.sp_committed[idx[j]]), int(p.sp_nmem[idx[j]]) * P
         raise FrontierError(
             f"seq {int(b[j])} pool {p.name}: commit frontier {int(f[j])} outside [committed="
-            f"{int(old[j])}, membership={int(limit[j])}] (use truncate to move back)")
-    lo = old // P
-    span = (f + (P - 1)) // P - lo          # blocks the new columns land in
-    one = span == 1
-    if one.any():
-        slot = p.sp_members[idx[one], lo[one]]
-        ok = ((p.pg_writer[slot] == b[one]) & (p.pg_pins[slot] == 0)
-              & (p.pg_protected[slot] <= old[one] - lo[one] * P))
-        if not ok.all():
-            j = int(np.flatnonzero(one)[np.argmin(ok)])
-            raise WritePermissionError(why_not_writable(p, int(b[j]), int(lo[j])))
-    for j in np.flatnonzero(span > 1).tolist():
-        sp = p.spaces[int(b[j])]
-        first_blk, oj = int(lo[j]), int(old[j])
-        for blk in range(first_blk, first_blk + int(span[j])):
-            first = oj - blk * P if blk == first_blk else 0  # first column written here
-            if not writable(p.pages[sp.member(blk)], int(b[j]), first):  # type: ignore[arg-type]
-                raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
+            f"{old}, membership={limit}] (use truncate to move back)")
+    if code != rk.OK:
+        raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
     if tx.config.checked and tx.config.allocate_planes:
         checked.check_commit(tx, p.name, b.tolist(), f.tolist())
     tx._emit(ev.CommitFrontiers(p.name, pack(b), pack(f)))

@@ -50,6 +50,22 @@ class LogicalKVPage:
     def __init__(self, pool: PoolState, slot: int, gen: int, device: int, writer: int,
                  active: bool) -> None:
         pool.ensure_slot(slot)
+        pool.pg_committed[slot] = 0     # committed columns 0..P
+        pool.pg_protected[slot] = 0     # columns covered by a published checkpoint
+        pool.pg_writer[slot] = writer   # bundle id of the single writer, or NO_PAGE
+        pool.pg_device[slot] = device   # device page-group lease, or NO_PAGE
+        pool.pg_pins[slot] = 0          # transaction pins
+        self._plain(pool, slot, gen, active)
+
+    @classmethod
+    def adopt(cls, pool: PoolState, slot: int, gen: int, active: bool) -> LogicalKVPage:
+        """The view of a new page whose array fields the caller already set (a batch of
+        pages written with one array assignment per field, apply's Materialize)."""
+        page = cls.__new__(cls)
+        page._plain(pool, slot, gen, active)
+        return page
+
+    def _plain(self, pool: PoolState, slot: int, gen: int, active: bool) -> None:
         self._p = pool
         self.slot = slot
         self.gen = gen
@@ -57,11 +73,6 @@ class LogicalKVPage:
         self.refs = 1               # address-space references
         self.active_refs = 1 if active else 0
         self.host: tuple[int, int, int, int] | None = None  # (offset, epoch, coverage, checksum)
-        pool.pg_committed[slot] = 0     # committed columns 0..P
-        pool.pg_protected[slot] = 0     # columns covered by a published checkpoint
-        pool.pg_writer[slot] = writer   # bundle id of the single writer, or NO_PAGE
-        pool.pg_device[slot] = device   # device page-group lease, or NO_PAGE
-        pool.pg_pins[slot] = 0          # transaction pins
 
     committed = ArrayField("pg_committed", "slot")
     protected = ArrayField("pg_protected", "slot")

@@ -1,0 +1,122 @@
+"""The decode round's per-sequence loops, compiled (numba ``njit``; spec §8.1, §8.2, §9.4).
+
+A decode round touches every running sequence three times: resolve and check the mapping
+request, check the commit (frontier range and write permission), apply the commit. Done with
+numpy each step costs a dozen small-array calls (~1 µs each); one compiled loop per step costs
+one call. The kernels only *read* state, except ``apply_commit`` — which ``apply`` calls, so
+``apply`` stays the only mutator.
+
+The check kernels return ``(code, j)``: ``OK``, or the first refused element ``j`` and why.
+The command then re-runs its plain-Python check for that element to raise the precise typed
+error (engine/decode.py), so there is one wording of every refusal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ninfer_kv.engine.layout import P
+
+OK = 0
+UNKNOWN = 1      # not a sequence of this pool, or an inactive checkpoint
+DUPLICATE = 2    # the same sequence twice in one batch
+FRONTIER = 3     # a frontier outside its range
+ENTITLEMENT = 4  # more pages than the entitlement (§8.1)
+WRITE = 5        # §9.4 write permission
+
+
+@njit(cache=True, nogil=True)
+def resolve(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray
+            ) -> tuple[np.ndarray, int, int]:
+    """(space index of each bundle, code, j): every bundle an active space of the pool, none
+    twice."""
+    n = bundles.shape[0]
+    idx = np.empty(n, np.int64)
+    seen = np.zeros(sp_active.shape[0], np.bool_)
+    for j in range(n):
+        b = bundles[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if i < 0 or not sp_active[i]:
+            return idx, UNKNOWN, j
+        if seen[i]:
+            return idx, DUPLICATE, j
+        seen[i] = True
+        idx[j] = i
+    return idx, OK, -1
+
+
+@njit(cache=True, nogil=True)
+def plan_mapping(idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
+                 sp_entitlement: np.ndarray, logical_pages: int) -> tuple[int, int, int]:
+    """(pages to materialize, code, j) for ``ensure_mapped_many``: each ``tokens`` within
+    [0, L*P] and its pages within the entitlement."""
+    total = 0
+    for j in range(idx.shape[0]):
+        t = tokens[j]
+        if t < 0 or t > logical_pages * P:  # before the division: no overflow near 2**63
+            return 0, FRONTIER, j
+        need = (t + P - 1) // P
+        i = idx[j]
+        have = sp_nmem[i]
+        if need > have:
+            if need > sp_entitlement[i]:
+                return 0, ENTITLEMENT, j
+            total += need - have
+    return total, OK, -1
+
+
+@njit(cache=True, nogil=True)
+def check_commit(bundles: np.ndarray, idx: np.ndarray, frontiers: np.ndarray,
+                 sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
+                 pg_writer: np.ndarray, pg_pins: np.ndarray, pg_protected: np.ndarray
+                 ) -> tuple[int, int, int]:
+    """(code, j, block) for ``commit_many``: each frontier within [committed, membership],
+    and every block the new columns land in writable by its sequence (§9.4: the single
+    writer, no pin, nothing protected at or above the first column written)."""
+    for j in range(idx.shape[0]):
+        i = idx[j]
+        f = frontiers[j]
+        old = sp_committed[i]
+        if f < old or f > sp_nmem[i] * P:
+            return FRONTIER, j, -1
+        lo = old // P
+        for blk in range(lo, (f + P - 1) // P):
+            first = old - blk * P if blk == lo else 0
+            s = sp_members[i, blk]
+            if pg_writer[s] != bundles[j] or pg_pins[s] != 0 or pg_protected[s] > first:
+                return WRITE, j, blk
+    return OK, -1, -1
+
+
+@njit(cache=True, nogil=True)
+def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
+                 sp_committed: np.ndarray, sp_members: np.ndarray, pg_committed: np.ndarray
+                 ) -> int:
+    """``apply(CommitFrontiers)``, in event order: pages from the old frontier's block to
+    the new one get their committed columns. Returns -1, or the first element naming no
+    space (a damaged journal; then nothing is applied)."""
+    n = bundles.shape[0]
+    for j in range(n):
+        b = bundles[j]
+        if not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0):
+            return j
+    for j in range(n):
+        i = bundle_index[bundles[j]]
+        f = frontiers[j]
+        for blk in range(sp_committed[i] // P, (f + P - 1) // P):
+            cols = f - blk * P
+            pg_committed[sp_members[i, blk]] = P if cols > P else cols
+        sp_committed[i] = f
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
+                   sp_nmem: np.ndarray) -> None:
+    """``apply(Materialize)``'s membership part, in event order: slot ``j`` becomes the next
+    block of space ``idx[j]`` (the caller made room: ``PoolState.ensure_members``)."""
+    for j in range(idx.shape[0]):
+        i = idx[j]
+        sp_members[i, sp_nmem[i]] = slots[j]
+        sp_nmem[i] += 1

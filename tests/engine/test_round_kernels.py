@@ -1,0 +1,153 @@
+"""The decode round's compiled kernels (engine/round_kernels.py) against plain-Python oracles
+written from the rules they implement (§8.1, §8.2, §9.4), on random pool arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine.layout import P
+
+I64 = np.int64
+
+
+def oracle_resolve(bundles, bundle_index, sp_active):
+    seen = set()
+    for j, b in enumerate(bundles):
+        i = bundle_index[b] if 0 <= b < len(bundle_index) else -1
+        if i < 0 or not sp_active[i]:
+            return rk.UNKNOWN, j
+        if i in seen:
+            return rk.DUPLICATE, j
+        seen.add(i)
+    return rk.OK, -1
+
+
+@st.composite
+def pools(draw):
+    """A pool's space arrays: n spaces, some active, a bundle -> space map with holes."""
+    n = draw(st.integers(1, 6))
+    sp_active = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    nb = draw(st.integers(n, n + 4))
+    order = draw(st.permutations(list(range(nb))))
+    bundle_index = np.full(nb, -1, I64)
+    for s, b in enumerate(order[:n]):
+        bundle_index[b] = s
+    return bundle_index, sp_active
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools(), st.lists(st.integers(-2, 12), max_size=8))
+def test_resolve_matches_oracle(pool, bundles):
+    bundle_index, sp_active = pool
+    b = np.array(bundles, I64)
+    idx, code, j = rk.resolve(b, bundle_index, sp_active)
+    assert (code, j) == oracle_resolve(bundles, bundle_index, sp_active)
+    if code == rk.OK:
+        assert idx.tolist() == [int(bundle_index[x]) for x in bundles]
+
+
+def test_resolve_refuses_a_bundle_without_space_even_when_the_last_space_is_active():
+    """bundle_index -1 must not wrap around to the last space (numpy's a[-1])."""
+    idx, code, j = rk.resolve(np.array([0], I64), np.array([-1, 0], I64), np.array([True]))
+    assert (code, j) == (rk.UNKNOWN, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-70, 700), st.integers(0, 8), st.integers(0, 10)),
+                min_size=1, max_size=6), st.integers(1, 10))
+def test_plan_mapping_matches_oracle(rows, logical_pages):
+    tokens = np.array([r[0] for r in rows], I64)
+    nmem = np.array([min(r[1], logical_pages) for r in rows], I64)
+    ent = np.array([r[2] for r in rows], I64)
+    idx = np.arange(len(rows), dtype=I64)
+    total, code, j = rk.plan_mapping(idx, tokens, nmem, ent, logical_pages)
+    want_total, want = 0, (rk.OK, -1)
+    for k, t in enumerate(tokens.tolist()):
+        need = -(-t // P)
+        if t < 0 or t > logical_pages * P:
+            want = (rk.FRONTIER, k)
+            break
+        if need > nmem[k]:
+            if need > ent[k]:
+                want = (rk.ENTITLEMENT, k)
+                break
+            want_total += need - int(nmem[k])
+    assert (code, j) == want
+    if code == rk.OK:
+        assert total == want_total
+
+
+@st.composite
+def commits(draw):
+    """Spaces with memberships over distinct slots, page fields, and a commit batch."""
+    n = draw(st.integers(1, 4))
+    nmem = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    slots = draw(st.permutations(list(range(sum(nmem)))))
+    members = np.full((n, 3), -1, np.int32)
+    k = 0
+    for i, m in enumerate(nmem):
+        members[i, :m] = slots[k:k + m]
+        k += m
+    committed = [draw(st.integers(0, m * P)) for m in nmem]
+    ns = sum(nmem)
+    bundles = np.array(draw(st.permutations(list(range(10, 10 + n)))), I64)
+    owner = {int(members[i, b]): int(bundles[i]) for i in range(n) for b in range(nmem[i])}
+    writer = np.array([draw(st.sampled_from([owner[s], -1, 99])) for s in range(ns)], I64)
+    pins = np.array(draw(st.lists(st.sampled_from([0, 0, 0, 1]), min_size=ns, max_size=ns)),
+                    I64)
+    protected = np.array(draw(st.lists(st.integers(0, P), min_size=ns, max_size=ns)), I64)
+    frontiers = np.array([draw(st.integers(c - 3, m * P + 3)) for c, m in
+                          zip(committed, nmem, strict=True)],
+                         I64)
+    return (bundles, np.arange(n, dtype=I64), frontiers, np.array(committed, I64),
+            np.array(nmem, I64), members, writer, pins, protected)
+
+
+def oracle_check_commit(bundles, idx, frontiers, committed, nmem, members, writer, pins,
+                        protected):
+    for j in range(len(idx)):
+        i, f, old = idx[j], frontiers[j], committed[idx[j]]
+        if not old <= f <= nmem[i] * P:
+            return rk.FRONTIER, j, -1
+        for blk in range(old // P, -(-f // P)):
+            first = old - blk * P if blk == old // P else 0
+            s = members[i, blk]
+            if not (writer[s] == bundles[j] and pins[s] == 0 and protected[s] <= first):
+                return rk.WRITE, j, blk
+    return rk.OK, -1, -1
+
+
+@settings(max_examples=400, deadline=None)
+@given(commits())
+def test_check_commit_matches_oracle(args):
+    got = rk.check_commit(*args)
+    assert tuple(int(x) for x in got) == oracle_check_commit(*args)
+
+
+@settings(max_examples=300, deadline=None)
+@given(commits())
+def test_apply_commit_matches_oracle(args):
+    bundles, idx, frontiers, committed, nmem, members, *_ = args
+    bundle_index = np.full(20, -1, I64)
+    bundle_index[bundles] = idx
+    assume((frontiers <= nmem * P).all())  # commit_many checked this before emitting
+    pg = np.zeros(members.max() + 1, I64)
+    want_pg, want_sp = pg.copy(), committed.copy()
+    for j in range(len(bundles)):  # apply._set_committed, in event order
+        i, f = idx[j], int(frontiers[j])
+        for blk in range(int(want_sp[i]) // P, -(-f // P)):
+            want_pg[members[i, blk]] = min(P, f - blk * P)
+        want_sp[i] = f
+    assert rk.apply_commit(bundles, frontiers, bundle_index, committed, members, pg) == -1
+    assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
+
+
+def test_apply_commit_of_an_unknown_seq_applies_nothing():
+    committed = np.array([5], I64)
+    pg = np.zeros(2, I64)
+    bad = rk.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
+                          committed, np.array([[0, 1]], np.int32), pg)
+    assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
