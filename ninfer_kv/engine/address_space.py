@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from ninfer_kv.engine.pages import ArrayField
 
 # ``p`` below is an engine.pool.PoolState; typed loosely because pool.py imports this module
@@ -53,7 +55,8 @@ class KVAddressSpace:
 
     @members.setter
     def members(self, slots: Iterable[int]) -> None:
-        slots = list(slots)
+        if not isinstance(slots, np.ndarray):
+            slots = list(slots)
         p = self._p
         p.ensure_members(len(slots))
         p.sp_members[self.i, :len(slots)] = slots

@@ -36,56 +36,84 @@ def apply_all(st: StoreState, events: list[Any]) -> None:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+I64 = np.int64
+
+
 def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
-    if slot == len(pool.pages):
-        pool.pages.append(None)
-        pool.gens.append(0)
-    else:
-        pool.free_slots.remove(slot)
-    assert pool.pages[slot] is None, f"slot {slot} of {pool.name} is live"
-    page = LogicalKVPage(pool, slot, pool.gens[slot], device, writer, True)
-    pool.pages[slot] = page
+    """One fresh page in a free (or the next never-used) slot, holding ``device``."""
+    if slot != pool.n_slots:
+        pool.free_slots.remove(slot)  # ValueError: neither free nor the next slot
+    assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
     if device != NO_PAGE:
         pool.free_pages.remove(device)
-    return page
+    pool.init_pages([slot], [device], writer, True)
+    return LogicalKVPage(pool, slot)
 
 
-def _maybe_free(st: StoreState, pool: PoolState, page: LogicalKVPage) -> None:
-    """With no reference and no pin a page is garbage: free its device and host replicas and
-    recycle the slot, advancing its generation (§5.3)."""
-    if page.refs == 0 and page.pins == 0:
-        if page.device != NO_PAGE:
-            pool.free_pages.add(page.device)
-            page.device = NO_PAGE
-        if page.host is not None:
-            st.host.free(page.host[0])  # type: ignore[union-attr]
-            page.host = None
-        pool.pages[page.slot] = None
-        pool.gens[page.slot] += 1
-        pool.free_slots.add(page.slot)
+def _take(free: SortedList, ids: list[int]) -> None:
+    """Remove ``ids`` from a sorted free list. A command picks the lowest free ids in order,
+    so they are one slice at the front; anything else (a foreign journal) goes one by one."""
+    n = len(ids)
+    if free[:n] == ids:
+        del free[:n]
+    else:
+        for i in ids:
+            free.remove(i)
 
 
-def _unref(st: StoreState, pool: PoolState, slot: int, bundle: int, active: bool) -> None:
-    page = pool.pages[slot]
-    assert page is not None
-    page.refs -= 1
+def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
+               ) -> None:
+    """``_new_page`` for a batch, as arrays. Slots are reused ones (lowest free first) then
+    fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
+    by one."""
+    sl = slots.tolist()
+    n_old = pool.n_slots
+    reused = [s for s in sl if s < n_old]
+    fresh = sl[len(reused):]
+    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
+        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
+            _new_page(pool, s, d, w)
+        return
+    assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"
+    _take(pool.free_slots, reused)
+    _take(pool.free_pages, devs[devs != NO_PAGE].tolist())
+    pool.init_pages(slots, devs, writers, True)
+
+
+def _collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
+    """Of ``slots``, the pages with no reference and no pin are garbage: free their device
+    and host replicas and recycle the slots, advancing their generations (§5.3)."""
+    dead = np.unique(slots[(pool.pg_refs[slots] == 0) & (pool.pg_pins[slots] == 0)])
+    if not len(dead):
+        return
+    assert pool.pg_live[dead].all(), f"{pool.name}: freeing free slots {dead.tolist()}"
+    dev = pool.pg_device[dead]
+    pool.free_pages.update(dev[dev != NO_PAGE].tolist())
+    pool.pg_device[dead] = NO_PAGE
+    if pool.host_of:
+        for s in dead.tolist():
+            h = pool.host_of.pop(s, None)
+            if h is not None:
+                st.host.free(h[0])  # type: ignore[union-attr]
+    pool.pg_live[dead] = False
+    pool.pg_gen[dead] += 1
+    pool.free_slots.update(dead.tolist())
+
+
+def _unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
+           active: bool) -> None:
+    """``bundle``'s space drops its references to ``slots`` (an active space also its
+    writer right); pages left without references are collected."""
+    slots = np.asarray(slots, I64)
+    np.subtract.at(pool.pg_refs, slots, 1)
     if active:
-        page.active_refs -= 1
-        if page.writer == bundle:
-            page.writer = NO_PAGE
-    _maybe_free(st, pool, page)
+        np.subtract.at(pool.pg_active, slots, 1)
+        pool.pg_writer[slots[pool.pg_writer[slots] == bundle]] = NO_PAGE
+    _collect(st, pool, slots)
 
 
-def _set_committed(pool: PoolState, sp: KVAddressSpace, frontier: int) -> None:
-    """Pages from the old frontier's block to the new one get their committed columns."""
-    pages, members = pool.pages, sp.members
-    lo = sp.committed // P
-    hi = (frontier + P - 1) // P
-    for b in range(lo, hi):
-        cols = frontier - b * P
-        page = pages[members[b]]
-        page.committed = P if cols > P else cols  # type: ignore[union-attr]
-    sp.committed = frontier
+def _members(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
+    return pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
 
 
 # --- handlers -----------------------------------------------------------------------------------
@@ -135,51 +163,9 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     pool.reserved -= len(b)
 
 
-def _take(free: SortedList, ids: list[int]) -> None:
-    """Remove ``ids`` from a sorted free list. A command picks the lowest free ids in order,
-    so they are one slice at the front; anything else (a foreign journal) goes one by one."""
-    n = len(ids)
-    if free[:n] == ids:
-        del free[:n]
-    else:
-        for i in ids:
-            free.remove(i)
-
-
-def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
-               ) -> None:
-    """``_new_page`` for a batch: the array fields with one assignment each, the free lists
-    cut as slices. Slots are reused ones (lowest free first) then fresh ones in order, as
-    ``PoolState.pick_slots`` hands them out; any other order goes one by one."""
-    sl = slots.tolist()
-    n_old = len(pool.pages)
-    reused = [s for s in sl if s < n_old]
-    fresh = sl[len(reused):]
-    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
-        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
-            _new_page(pool, s, d, w)
-        return
-    pages, gens = pool.pages, pool.gens
-    assert all(pages[s] is None for s in reused), f"a reused slot of {pool.name} is live"
-    _take(pool.free_slots, reused)
-    lease = devs[devs != NO_PAGE].tolist()
-    _take(pool.free_pages, lease)
-    pages.extend([None] * len(fresh))
-    gens.extend([0] * len(fresh))
-    pool.ensure_slot(int(slots.max()))
-    pool.pg_committed[slots] = 0
-    pool.pg_protected[slots] = 0
-    pool.pg_writer[slots] = writers
-    pool.pg_device[slots] = devs
-    pool.pg_pins[slots] = 0
-    adopt = LogicalKVPage.adopt
-    for s in sl:
-        pages[s] = adopt(pool, s, gens[s], True)
-
-
 def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
-    """Applied in event order by one compiled loop (engine/round_kernels.py), the same rule
-    as ``_set_committed``."""
+    """Applied in event order by one compiled loop (engine/round_kernels.py): pages from the
+    old frontier's block to the new one get their committed columns."""
     pool = st.pools[e.pool]
     b, f = unpack(e.bundles), unpack(e.frontiers)
     assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
@@ -213,8 +199,7 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
     dropped = sp.trim_members(e.keep)
-    for slot in dropped:
-        _unref(st, pool, slot, e.bundle, sp.active)
+    _unref(st, pool, dropped, e.bundle, sp.active)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
 
@@ -238,28 +223,16 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle = st.bundles[e.bundle]
     bundle.active = False
     bundle.finish_reason = e.reason
-    pages = pool.pages
+    slots = _members(pool, sp)
     if e.retain:
+        np.subtract.at(pool.pg_active, slots, 1)
+        pool.pg_writer[slots[pool.pg_writer[slots] == e.bundle]] = NO_PAGE
         sp.protected = sp.committed
         sp.provisional = 0
-        for i, slot in enumerate(sp.members):
-            page = pages[slot]
-            assert page is not None
-            page.active_refs -= 1
-            if page.writer == e.bundle:
-                page.writer = NO_PAGE
-            cols = min(P, sp.committed - i * P)
-            if cols > page.protected:
-                page.protected = cols
+        cols = np.minimum(P, sp.committed - P * np.arange(len(slots), dtype=I64))
+        np.maximum.at(pool.pg_protected, slots, cols)  # coverage only grows
     else:
-        for slot in sp.members:
-            page = pages[slot]
-            assert page is not None
-            page.active_refs -= 1
-            if page.writer == e.bundle:
-                page.writer = NO_PAGE
-            page.refs -= 1
-            _maybe_free(st, pool, page)
+        _unref(st, pool, slots, e.bundle, True)
         _drop_space(st, pool, e.bundle)
 
 
@@ -273,9 +246,7 @@ def _drop_space(st: StoreState, pool: PoolState, bundle: int) -> None:
 
 def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
-    sp = pool.spaces[e.bundle]
-    for slot in sp.members:
-        _unref(st, pool, slot, e.bundle, False)
+    _unref(st, pool, _members(pool, pool.spaces[e.bundle]), e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
 
@@ -285,22 +256,19 @@ def _move(st: StoreState, e: ev.Move) -> None:
     protected coverage remains; pages past the frontier are released."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    pages = pool.pages
     keep = (e.frontier + P - 1) // P
-    for slot in src.members[keep:]:
-        _unref(st, pool, slot, e.src, False)
-    dst.members = src.members[:keep]
-    for i, slot in enumerate(dst.members):
-        page = pages[slot]
-        assert page is not None
-        page.active_refs += 1
-        page.protected = 0
-        cols = min(P, e.frontier - i * P)
-        if page.committed > cols:
-            page.committed = cols
-            page.epoch += 1
-        if cols < P:
-            page.writer = e.dst  # the single writer appends in the unprotected suffix
+    members = _members(pool, src)
+    _unref(st, pool, members[keep:], e.src, False)
+    kept = members[:keep]
+    assert pool.pg_live[kept].all(), f"Move of {e.src}: a dead page in its membership"
+    dst.members = kept
+    pool.pg_active[kept] += 1
+    pool.pg_protected[kept] = 0
+    cols = np.minimum(P, e.frontier - P * np.arange(keep, dtype=I64))
+    cut = kept[pool.pg_committed[kept] > cols]
+    pool.pg_committed[cut] = cols[pool.pg_committed[kept] > cols]
+    pool.pg_epoch[cut] += 1              # the canonical content of those columns may change
+    pool.pg_writer[kept[cols < P]] = e.dst  # the single writer appends in the unprotected suffix
     src.members = []
     dst.committed = dst.provisional = e.frontier
     dst.protected = 0
@@ -314,14 +282,11 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    pages = pool.pages
-    shared = src.members[:e.full_pages]
-    for slot in shared:
-        page = pages[slot]
-        assert page is not None
-        page.refs += 1
-        page.active_refs += 1
-    dst.members = list(shared)
+    shared = _members(pool, src)[:e.full_pages]
+    assert pool.pg_live[shared].all(), f"Fork of {e.src}: a dead page in its membership"
+    np.add.at(pool.pg_refs, shared, 1)
+    np.add.at(pool.pg_active, shared, 1)
+    dst.members = shared
     dst.committed = dst.provisional = e.full_pages * P
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
     pool.reserved -= len(shared) - dst.incoming
@@ -373,7 +338,7 @@ def _host_publish(st: StoreState, e: ev.HostPublish) -> None:
             st.host.free(page.host[0])  # type: ignore[union-attr]
         page.host = (offsets[i], ep, cov, crc)
         page.pins -= 1
-        _maybe_free(st, pool, page)
+    _collect(st, pool, np.asarray(slots, I64))
 
 
 def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
@@ -384,17 +349,18 @@ def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
         page = pool.pages[slot]
         assert page is not None
         page.pins -= 1
-        _maybe_free(st, pool, page)
+    _collect(st, pool, np.asarray(slots, I64))
 
 
 def _host_drop(st: StoreState, e: ev.HostDrop) -> None:
     pool = st.pools[e.pool]
-    for slot in unpack(e.slots).tolist():
+    slots = unpack(e.slots)
+    for slot in slots.tolist():
         page = pool.pages[slot]
         assert page is not None and page.host is not None
         st.host.free(page.host[0])  # type: ignore[union-attr]
         page.host = None
-        _maybe_free(st, pool, page)
+    _collect(st, pool, slots.astype(I64))
 
 
 def _device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
@@ -427,7 +393,8 @@ def _pin(st: StoreState, e: ev.Pin) -> None:
 
 def _unpin(st: StoreState, e: ev.Unpin) -> None:
     pool = st.pools[e.pool]
-    for slot in unpack(e.slots).tolist():
+    slots = unpack(e.slots)
+    for slot in slots.tolist():
         key = (e.pool, slot)
         n = st.copy_pins[key]
         if n == 1:
@@ -437,7 +404,7 @@ def _unpin(st: StoreState, e: ev.Unpin) -> None:
         page = pool.pages[slot]
         assert page is not None
         page.pins -= 1
-        _maybe_free(st, pool, page)
+    _collect(st, pool, slots.astype(I64))
 
 
 def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:

@@ -92,7 +92,7 @@ def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: i
 def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMirror | None,
                 out: list[str]) -> None:
     """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold."""
-    pages, gens, n = pool.pages, pool.gens, len(pool.pages)
+    pages, n = pool.pages, len(pool.pages)
     refs, arefs, devs, objs, lease = pm.refs, pm.arefs, pm.dev, pm.obj, pm.lease
     cap, free_pages, free_slots = pool.capacity, pool.free_pages, pool.free_slots
     fp0 = free_pages[0] if free_pages else cap
@@ -130,8 +130,6 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
             if refs[s]:
                 out.append(f"dead slot {s} still has {refs[s]} memberships")
             continue
-        if gens[s] != pg.gen:
-            out.append(f"page {s} generation {pg.gen} != slot generation {gens[s]}")
         r, a, pr = refs[s], arefs[s], pg.refs
         if pr != r:
             out.append(f"page {s} refs {pr} != memberships {r}")

@@ -103,8 +103,6 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
             set(pool.free_rows) & set(rows):
         out.append(f"execution rows inconsistent: owners {pool.row_owner} vs spaces {rows}")
     for pg in live:
-        if pool.gens[pg.slot] != pg.gen:
-            out.append(f"page {pg.slot} generation {pg.gen} != slot generation")
         if pg.refs != refs[pg.slot]:
             out.append(f"page {pg.slot} refs {pg.refs} != memberships {refs[pg.slot]}")
         if pg.active_refs != active_refs[pg.slot]:

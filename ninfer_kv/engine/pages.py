@@ -5,11 +5,11 @@ current device replica lives; identity, content epoch and physical id are indepe
 A slot is recycled — and its generation advanced — only when references, replicas and pins are
 all zero (§5.3 last paragraph); a handle with an old generation then fails loudly.
 
-Storage: the fields the decode round reads for every sequence (committed and protected
-columns, writer, pins, device id) live in the pool's per-slot arrays (``PoolState.pg_*``,
-structure of arrays), so ``commit_many`` checks a whole batch with array operations. A
-``LogicalKVPage`` is the per-page view the cold paths use: its properties read and write those
-arrays; the remaining fields are plain attributes. Each field has exactly one home.
+Storage: every field lives in the pool's per-slot arrays (``PoolState.pg_*``, structure of
+arrays; the host replica in ``PoolState.host_of``), so the decode round, Materialize and the
+release of a membership work on whole batches of slots. A ``LogicalKVPage`` is the per-page
+view the cold paths use; ``PoolState.pages[slot]`` makes one on demand (None for a free slot).
+Each field has exactly one home.
 """
 
 from __future__ import annotations
@@ -42,43 +42,43 @@ class ArrayField:
         getattr(obj._p, self.array)[getattr(obj, self.key)] = value
 
 
+class HostField:
+    """A page's host replica ``(offset, epoch, coverage, checksum)`` or None, kept in its
+    pool's ``host_of`` dict (few pages have one)."""
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return obj._p.host_of.get(obj.slot)
+
+    def __set__(self, obj: Any, value: tuple[int, int, int, int] | None) -> None:
+        if value is None:
+            obj._p.host_of.pop(obj.slot, None)
+        else:
+            obj._p.host_of[obj.slot] = value
+
+
 class LogicalKVPage:
-    """Mutable descriptor; only ``apply`` changes it."""
+    """The view of one live slot of a pool (``PoolState.pages[slot]``); every field lives in
+    the pool's per-slot arrays (``pg_*``) or ``host_of``, so a view is two references and any
+    number of views of one slot agree. Only ``apply`` changes the fields."""
 
-    __slots__ = ("_p", "slot", "gen", "epoch", "refs", "active_refs", "host")
+    __slots__ = ("_p", "slot")
 
-    def __init__(self, pool: PoolState, slot: int, gen: int, device: int, writer: int,
-                 active: bool) -> None:
-        pool.ensure_slot(slot)
-        pool.pg_committed[slot] = 0     # committed columns 0..P
-        pool.pg_protected[slot] = 0     # columns covered by a published checkpoint
-        pool.pg_writer[slot] = writer   # bundle id of the single writer, or NO_PAGE
-        pool.pg_device[slot] = device   # device page-group lease, or NO_PAGE
-        pool.pg_pins[slot] = 0          # transaction pins
-        self._plain(pool, slot, gen, active)
-
-    @classmethod
-    def adopt(cls, pool: PoolState, slot: int, gen: int, active: bool) -> LogicalKVPage:
-        """The view of a new page whose array fields the caller already set (a batch of
-        pages written with one array assignment per field, apply's Materialize)."""
-        page = cls.__new__(cls)
-        page._plain(pool, slot, gen, active)
-        return page
-
-    def _plain(self, pool: PoolState, slot: int, gen: int, active: bool) -> None:
+    def __init__(self, pool: PoolState, slot: int) -> None:
         self._p = pool
         self.slot = slot
-        self.gen = gen
-        self.epoch = 0
-        self.refs = 1               # address-space references
-        self.active_refs = 1 if active else 0
-        self.host: tuple[int, int, int, int] | None = None  # (offset, epoch, coverage, checksum)
 
-    committed = ArrayField("pg_committed", "slot")
-    protected = ArrayField("pg_protected", "slot")
-    writer = ArrayField("pg_writer", "slot")
-    device = ArrayField("pg_device", "slot")
-    pins = ArrayField("pg_pins", "slot")
+    gen = ArrayField("pg_gen", "slot")              # generation of the slot (§5.3)
+    epoch = ArrayField("pg_epoch", "slot")          # content epoch: bumped when columns may change
+    committed = ArrayField("pg_committed", "slot")  # committed columns 0..P
+    protected = ArrayField("pg_protected", "slot")  # columns covered by a published checkpoint
+    refs = ArrayField("pg_refs", "slot")            # address-space references
+    active_refs = ArrayField("pg_active", "slot")   # ... of active address spaces
+    writer = ArrayField("pg_writer", "slot")        # bundle id of the single writer, or NO_PAGE
+    device = ArrayField("pg_device", "slot")        # device page-group lease, or NO_PAGE
+    pins = ArrayField("pg_pins", "slot")            # transaction pins
+    host = HostField()
 
     def as_tuple(self) -> tuple[int, ...]:
         h = self.host or (NO_PAGE, 0, 0, 0)

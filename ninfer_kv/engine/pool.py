@@ -10,12 +10,13 @@ address spaces of (entitlement - membership), ``available`` = the rest. Reservat
 lease) holds exactly ``reserved + available`` ids. The command picks the lowest free ids
 (locality), and nothing depends on contiguity (§4.2).
 
-Structure of arrays: the per-page fields the decode round reads live in ``pg_*`` (by slot),
-the per-space ones in ``sp_*`` (by a space's dense index, recycled when the space is dropped);
-``LogicalKVPage`` and ``KVAddressSpace`` are views over them (engine/pages.py,
-engine/address_space.py). ``pages[slot]`` (a view, or None for a free slot) says which slots
-are live; ``spaces`` maps bundle -> space and keeps ``bundle_index`` (the same map as an array,
--1 = none) in step. Arrays grow by doubling; their spare tail holds no state.
+Structure of arrays: the per-page fields live in ``pg_*`` (by slot; ``pg_live`` says which
+of the ``n_slots`` slots ever used hold a page), the per-space ones in ``sp_*`` (by a space's
+dense index, recycled when the space is dropped); ``LogicalKVPage`` and ``KVAddressSpace`` are
+views over them (engine/pages.py, engine/address_space.py). ``pages[slot]`` makes a page's
+view (None for a free slot), ``gens[slot]`` reads a slot's generation; ``spaces`` maps bundle
+-> space and keeps ``bundle_index`` (the same map as an array, -1 = none) in step. Arrays grow
+by doubling; their spare tail holds no state.
 """
 
 from __future__ import annotations
@@ -82,10 +83,65 @@ class SpaceMap(MutableMapping[int, KVAddressSpace]):
         return len(self._d)
 
 
+class PageTable:
+    """``PoolState.pages``: slot -> ``LogicalKVPage`` view, or None for a free slot; ``len`` is
+    the number of slots ever used. Read-only: ``apply`` changes pages through the arrays."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, p: PoolState) -> None:
+        self._p = p
+
+    def __len__(self) -> int:
+        return self._p.n_slots
+
+    def __getitem__(self, slot: int) -> LogicalKVPage | None:
+        p = self._p
+        if not 0 <= slot < p.n_slots:
+            raise IndexError(f"slot {slot} of {p.name}: {p.n_slots} slots")
+        return LogicalKVPage(p, slot) if p.pg_live[slot] else None
+
+    def __iter__(self) -> Iterator[LogicalKVPage | None]:
+        p = self._p
+        return (LogicalKVPage(p, s) if live else None
+                for s, live in enumerate(p.pg_live[:p.n_slots].tolist()))
+
+    def live(self) -> list[int]:
+        """The slots that hold a page, ascending."""
+        return np.flatnonzero(self._p.pg_live[:self._p.n_slots]).tolist()
+
+
+class GenTable:
+    """``PoolState.gens``: slot -> generation (as int), for live and free slots."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, p: PoolState) -> None:
+        self._p = p
+
+    def __len__(self) -> int:
+        return self._p.n_slots
+
+    def __getitem__(self, slot: int) -> int:
+        p = self._p
+        if not 0 <= slot < p.n_slots:
+            raise IndexError(f"slot {slot} of {p.name}: {p.n_slots} slots")
+        return int(p.pg_gen[slot])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._p.pg_gen[:self._p.n_slots].tolist())
+
+
+PG_FIELDS = (("pg_gen", 0), ("pg_epoch", 0), ("pg_committed", 0), ("pg_protected", 0),
+             ("pg_refs", 0), ("pg_active", 0), ("pg_writer", -1), ("pg_device", -1),
+             ("pg_pins", 0))
+"""The per-slot int64 arrays and the value of a slot that never held a page."""
+
+
 class PoolState:
     __slots__ = ("name", "capacity", "rows", "logical_pages", "free_pages", "reserved",
-                 "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces",
-                 "pg_committed", "pg_protected", "pg_writer", "pg_pins", "pg_device",
+                 "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces", "n_slots",
+                 "pg_live", "host_of", *(f for f, _ in PG_FIELDS),
                  "sp_members", "sp_nmem", "sp_committed", "sp_entitlement", "sp_active",
                  "sp_free", "bundle_index")
 
@@ -98,16 +154,16 @@ class PoolState:
         self.reserved = 0
         self.free_rows = SortedList(range(rows))
         self.row_owner: dict[int, int] = {}     # row -> bundle
-        self.pages: list[LogicalKVPage | None] = []  # by slot
-        self.gens: list[int] = []               # generation of each slot
         self.free_slots = SortedList()
-        # per slot (LogicalKVPage's array-backed fields)
+        # per slot (LogicalKVPage's fields)
+        self.n_slots = 0                        # slots ever used; pages[0:n_slots]
         n = max(16, capacity)
-        self.pg_committed = np.zeros(n, I64)
-        self.pg_protected = np.zeros(n, I64)
-        self.pg_writer = np.full(n, -1, I64)
-        self.pg_pins = np.zeros(n, I64)
-        self.pg_device = np.full(n, -1, I64)
+        for name, fill in PG_FIELDS:
+            setattr(self, name, np.full(n, fill, I64))
+        self.pg_live = np.zeros(n, np.bool_)
+        self.host_of: dict[int, tuple[int, int, int, int]] = {}  # slot -> host replica
+        self.pages = PageTable(self)
+        self.gens = GenTable(self)
         # per space index (KVAddressSpace's array-backed fields)
         m = max(16, 2 * rows)
         self.sp_members = np.full((m, min(logical_pages, 16)), -1, np.int32)
@@ -130,7 +186,7 @@ class PoolState:
     def pick_slots(self, n: int) -> list[int]:
         """The n slots a command will use: lowest free ones, then fresh ones."""
         out = list(self.free_slots[:n])
-        nxt = len(self.pages)
+        nxt = self.n_slots
         while len(out) < n:
             out.append(nxt)
             nxt += 1
@@ -141,10 +197,31 @@ class PoolState:
 
     # --- array capacity (no state: only room for it) ------------------------------------------
     def ensure_slot(self, slot: int) -> None:
-        if slot >= len(self.pg_committed):
-            for name, fill in (("pg_committed", 0), ("pg_protected", 0), ("pg_writer", -1),
-                               ("pg_pins", 0), ("pg_device", -1)):
+        if slot >= len(self.pg_live):
+            for name, fill in PG_FIELDS:
                 setattr(self, name, _grown(getattr(self, name), slot + 1, fill))
+            self.pg_live = _grown(self.pg_live, slot + 1, 0)
+
+    def init_pages(self, slots: np.ndarray | list[int], devices: np.ndarray | list[int],
+                   writers: np.ndarray | list[int] | int, active: bool) -> None:
+        """Fresh pages in ``slots`` (apply only: the free lists are the caller's): one
+        reference, nothing committed or protected, no pin, no host replica; generations are
+        kept (a slot's generation advances when it is freed)."""
+        slots = np.asarray(slots, I64)
+        if not len(slots):
+            return
+        top = int(slots.max())
+        self.ensure_slot(top)
+        self.n_slots = max(self.n_slots, top + 1)
+        self.pg_live[slots] = True
+        self.pg_epoch[slots] = 0
+        self.pg_committed[slots] = 0
+        self.pg_protected[slots] = 0
+        self.pg_refs[slots] = 1
+        self.pg_active[slots] = 1 if active else 0
+        self.pg_writer[slots] = writers
+        self.pg_device[slots] = devices
+        self.pg_pins[slots] = 0
 
     def ensure_members(self, n: int) -> None:
         """Room for ``n`` membership entries per space."""

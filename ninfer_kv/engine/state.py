@@ -14,6 +14,7 @@ import hashlib
 from typing import Any
 
 import msgspec
+import numpy as np
 from sortedcontainers import SortedDict, SortedList
 
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
@@ -124,15 +125,18 @@ def decode_state(data: bytes) -> StoreState:
         p.reserved = ps.reserved
         p.free_pages = SortedList(ps.free_pages)
         p.free_rows = SortedList(ps.free_rows)
-        p.gens = list(ps.gens)
-        p.pages = [None] * len(p.gens)
+        n = len(ps.gens)
+        if n:
+            p.ensure_slot(n - 1)
+        p.n_slots = n
+        p.pg_gen[:n] = ps.gens
         for t in ps.pages:
-            pg = LogicalKVPage(p, t[0], t[1], t[8], t[7], False)
-            (pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
-                t[2], t[3], t[4], t[5], t[6], t[9])
+            p.init_pages([t[0]], [t[8]], t[7], False)
+            pg = LogicalKVPage(p, t[0])
+            (pg.gen, pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
+                t[1], t[2], t[3], t[4], t[5], t[6], t[9])
             pg.host = None if t[10] == NO_PAGE else (t[10], t[11], t[12], t[13])
-            p.pages[pg.slot] = pg
-        p.free_slots = SortedList(i for i, pg in enumerate(p.pages) if pg is None)
+        p.free_slots = SortedList(np.flatnonzero(~p.pg_live[:n]).tolist())
         for t in ps.spaces:
             sp = KVAddressSpace(p, t[0], t[5], t[6])
             sp.committed, sp.provisional, sp.protected, sp.active = t[1], t[2], t[3], t[4]

@@ -22,8 +22,8 @@ CPU = torch.device("cpu")
 
 def fake_pages(ids: list[int]) -> list[LogicalKVPage]:
     pool = PoolState("fake", max(ids) + 1, 1, 1)
-    return [LogicalKVPage(pool, slot=i, gen=1, device=g, writer=-1, active=False)
-            for i, g in enumerate(ids)]
+    pool.init_pages(list(range(len(ids))), ids, -1, False)
+    return [LogicalKVPage(pool, i) for i in range(len(ids))]
 
 
 @pytest.mark.parametrize("profile", list(Profile))
