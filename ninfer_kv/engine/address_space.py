@@ -63,6 +63,12 @@ class KVAddressSpace:
         p.sp_nmem[self.i] = len(slots)
 
     @property
+    def slots(self) -> np.ndarray:
+        """The membership as an int32 array view of the pool's ``sp_members`` row, without
+        the copy (read only: change it through ``members`` / ``append_member``)."""
+        return self._p.sp_members[self.i, :self._p.sp_nmem[self.i]]
+
+    @property
     def nmem(self) -> int:
         """``len(members)`` without the copy."""
         return int(self._p.sp_nmem[self.i])

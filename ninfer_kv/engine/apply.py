@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
@@ -42,23 +41,12 @@ I64 = np.int64
 def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
     """One fresh page in a free (or the next never-used) slot, holding ``device``."""
     if slot != pool.n_slots:
-        pool.free_slots.remove(slot)  # ValueError: neither free nor the next slot
+        pool.free_slots.take([slot])  # ValueError: neither free nor the next slot
     assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
     if device != NO_PAGE:
-        pool.free_pages.remove(device)
+        pool.free_pages.take([device])
     pool.init_pages([slot], [device], writer, True)
     return LogicalKVPage(pool, slot)
-
-
-def _take(free: SortedList, ids: list[int]) -> None:
-    """Remove ``ids`` from a sorted free list. A command picks the lowest free ids in order,
-    so they are one slice at the front; anything else (a foreign journal) goes one by one."""
-    n = len(ids)
-    if free[:n] == ids:
-        del free[:n]
-    else:
-        for i in ids:
-            free.remove(i)
 
 
 def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
@@ -75,20 +63,20 @@ def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np
             _new_page(pool, s, d, w)
         return
     assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"
-    _take(pool.free_slots, reused)
-    _take(pool.free_pages, devs[devs != NO_PAGE].tolist())
+    pool.free_slots.take(reused)
+    pool.free_pages.take(devs[devs != NO_PAGE])
     pool.init_pages(slots, devs, writers, True)
 
 
 def _collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
     """Of ``slots``, the pages with no reference and no pin are garbage: free their device
     and host replicas and recycle the slots, advancing their generations (§5.3)."""
-    dead = np.unique(slots[(pool.pg_refs[slots] == 0) & (pool.pg_pins[slots] == 0)])
+    dead = rk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
     if not len(dead):
         return
     assert pool.pg_live[dead].all(), f"{pool.name}: freeing free slots {dead.tolist()}"
     dev = pool.pg_device[dead]
-    pool.free_pages.update(dev[dev != NO_PAGE].tolist())
+    pool.free_pages.give(dev[dev != NO_PAGE])
     pool.pg_device[dead] = NO_PAGE
     if pool.host_of:
         for s in dead.tolist():
@@ -97,7 +85,7 @@ def _collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
                 st.host.free(h[0])  # type: ignore[union-attr]
     pool.pg_live[dead] = False
     pool.pg_gen[dead] += 1
-    pool.free_slots.update(dead.tolist())
+    pool.free_slots.give(dead)
 
 
 def _unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
@@ -131,7 +119,7 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
     sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
     pool.reserved += e.entitlement - e.held
-    pool.free_rows.remove(e.row)
+    pool.free_rows.take([e.row])
     pool.row_owner[e.row] = e.bundle
     b = st.bundles.get(e.bundle)
     if b is None:
@@ -157,8 +145,7 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     idx = pool.bundle_index[b]
     assert (idx >= 0).all(), f"Materialize for a seq without a space in {e.pool}: {b}"
     _new_pages(pool, slots, devs, b)
-    u, counts = np.unique(idx, return_counts=True)
-    pool.ensure_members(int((pool.sp_nmem[u] + counts).max()))
+    pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)
 
@@ -216,7 +203,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     sp = pool.spaces[e.bundle]
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
     del pool.row_owner[sp.row]
-    pool.free_rows.add(sp.row)
+    pool.free_rows.give([sp.row])
     sp.row = NO_ROW
     sp.active = False
     sp.entitlement = 0
@@ -368,7 +355,7 @@ def _device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
     for slot in unpack(e.slots).tolist():
         page = pool.pages[slot]
         assert page is not None and page.device != NO_PAGE and page.host is not None
-        pool.free_pages.add(page.device)
+        pool.free_pages.give([page.device])
         page.device = NO_PAGE
 
 
@@ -377,7 +364,7 @@ def _device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
     for slot, dev in zip(unpack(e.slots).tolist(), unpack(e.pages).tolist(), strict=True):
         page = pool.pages[slot]
         assert page is not None and page.device == NO_PAGE
-        pool.free_pages.remove(dev)
+        pool.free_pages.take([dev])
         page.device = dev
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ninfer_kv.engine import host
 from ninfer_kv.engine.args import as_int, one_of
 from ninfer_kv.engine.layout import P, ceil_div
@@ -93,10 +95,11 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         sp = p.spaces[checkpoint]
         f = pl["frontier"]
         span = ceil_div(f, P)
-        private = all(p.pages[s].refs == 1 for s in sp.members)  # type: ignore[union-attr]
+        mem = sp.slots
+        private = bool((p.pg_refs[mem] == 1).all())
         move = mode == "move" or (mode == "auto" and not keep_source and private)
         if move and not private:
-            shared = [s for s in sp.members if p.pages[s].refs > 1]  # type: ignore[union-attr]
+            shared = mem[p.pg_refs[mem] > 1].tolist()
             raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} refused: "
                                        f"pages {shared[:8]} still have surviving references (§9.1)")
         if move and keep_source:
@@ -105,8 +108,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         held = span if move else f // P
         tail = not move and f % P != 0
         # pages this activation needs on the device: the held prefix and a COW source tail
-        needed = sp.members[:held] + ([sp.members[f // P]] if tail else [])
-        missing = [s for s in needed if p.pages[s].device == NO_PAGE]  # type: ignore[union-attr]
+        needed = np.concatenate([mem[:held], mem[f // P:f // P + 1] if tail else mem[:0]])
+        missing = needed[p.pg_device[needed] == NO_PAGE].tolist()
         need = pl["entitlement"] - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
@@ -117,7 +120,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         hook("restore", pool)
         p = st.pools[pool]
         f = pl["frontier"]
-        block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)}
+        block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)} if pl["missing"] \
+            else {}
         for s in pl["missing"]:
             cols = min(P, f - block[s] * P)  # the columns this continuation reads
             if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
@@ -133,7 +137,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         hook("cow", pool)
         p = st.pools[pool]
         if pl["tail"]:
-            src_slot = p.spaces[checkpoint].members[pl["frontier"] // P]
+            src_slot = p.spaces[checkpoint].member(pl["frontier"] // P)
             src_page = pl["restored"].get(src_slot,
                                           p.pages[src_slot].device)  # type: ignore[union-attr]
             cows[pool] = (p.pick_slots(1)[0], pl["cow_page"], src_slot, src_page)
@@ -143,7 +147,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         p = st.pools[pool]
         if not p.free_rows:
             raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
-        rows[pool] = p.free_rows[0]
+        rows[pool] = p.free_rows.first()
     for pool in plans:                                          # 7/8. tables, publish
         hook("tables", pool)
         hook("publish", pool)

@@ -78,8 +78,10 @@ def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
 
 
 def why_not_writable(p: PoolState, bundle: int, block: int) -> str:
-    pg = p.pages[p.spaces[bundle].member(block)]
-    assert pg is not None
+    slot = p.spaces[bundle].member(block)
+    pg = p.pages[slot]
+    if pg is None:
+        return f"seq {bundle} pool {p.name} block {block}: slot {slot} holds no page (§9.4)"
     return (f"seq {bundle} pool {p.name} block {block} (page {p.name}:{pg.slot}): writer="
             f"{pg.writer}, refs={pg.refs}, protected={pg.protected}, pins={pg.pins}, epoch="
             f"{pg.epoch}: only the single private writer may write (§9.4)")

@@ -81,7 +81,6 @@ class IncrementalChecker:
             pm.extend(len(pool.pages))
             for pg in pool.pages:
                 if pg is not None:
-                    pm.obj[pg.slot] = pg
                     pm.dev[pg.slot] = pg.device
                     if pg.device != NO_PAGE:
                         pm.lease.setdefault(pg.device, pg.slot)

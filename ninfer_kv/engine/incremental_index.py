@@ -2,7 +2,7 @@
 ``engine.incremental`` for the invariants and how the indexes are kept).
 
 ``PoolMirror`` holds, per pool, what the checker last saw and counted itself: memberships and
-active memberships per slot, each slot's device lease and page object, the device-page -> slot
+active memberships per slot, each slot's device lease, the device-page -> slot
 lease map, the sum of active reservations, the row leases, one ``SpaceMirror`` per space and
 the pins it expects (pending host transfers, queued copies). ``check_pages`` moves those
 indexes to what the touched pages hold now and checks each page; ``check_commit`` is the hot
@@ -42,7 +42,7 @@ class SpaceMirror:
 class PoolMirror:
     """The checker's own indexes of one pool."""
 
-    __slots__ = ("name", "refs", "arefs", "dev", "obj", "lease", "reserved", "rows", "spaces",
+    __slots__ = ("name", "refs", "arefs", "dev", "lease", "reserved", "rows", "spaces",
                  "pend", "copy")
 
     def __init__(self, name: str) -> None:
@@ -50,7 +50,6 @@ class PoolMirror:
         self.refs: list[int] = []          # slot -> memberships
         self.arefs: list[int] = []         # slot -> memberships in active spaces
         self.dev: list[int] = []           # slot -> device lease seen (NO_PAGE: none / dead)
-        self.obj: list[Any] = []           # slot -> page object seen (None: dead)
         self.lease: dict[int, int] = {}    # device page -> slot
         self.reserved = 0
         self.rows: dict[int, int] = {}     # row -> bundle
@@ -64,7 +63,6 @@ class PoolMirror:
             self.refs += [0] * k
             self.arefs += [0] * k
             self.dev += [NO_PAGE] * k
-            self.obj += [None] * k
 
 
 def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: int, b: int,
@@ -93,10 +91,8 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
                 out: list[str]) -> None:
     """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold."""
     pages, n = pool.pages, len(pool.pages)
-    refs, arefs, devs, objs, lease = pm.refs, pm.arefs, pm.dev, pm.obj, pm.lease
+    refs, arefs, devs, lease = pm.refs, pm.arefs, pm.dev, pm.lease
     cap, free_pages, free_slots = pool.capacity, pool.free_pages, pool.free_slots
-    fp0 = free_pages[0] if free_pages else cap
-    fs0 = free_slots[0] if free_slots else n
     spaces, pend, copy = pm.spaces, pm.pend, pm.copy
     pins_on = bool(pend or copy)
     no, p = NO_PAGE, P
@@ -107,25 +103,22 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
             if old != no:
                 if lease.get(old) == s:
                     del lease[old]
-                held = free_pages.count(old)
-                if held != 1:
-                    out.append(f"released device page {old} (slot {s}) is on the free list "
-                               f"{held} times, not once")
+                if old not in free_pages:
+                    out.append(f"released device page {old} (slot {s}) is not on the free "
+                               "list")
             if new != no:
                 if not 0 <= new < cap:
                     out.append(f"device page id {new} of slot {s} out of range")
                 o = lease.setdefault(new, s)
                 if o != s:
                     out.append(f"device page {new} leased by slots {o} and {s} (§14)")
-                if new >= fp0 and new in free_pages:
+                if new in free_pages:
                     out.append(f"leased device page {new} (slot {s}) is also on the free list")
             devs[s] = new
         if host is not None:
             host.sync_page(pm.name, s, pg, out)
-        if objs[s] is not pg:
-            objs[s] = pg
-            if pg is not None and s >= fs0 and s in free_slots:
-                out.append(f"free slot {s} is live")
+        if pg is not None and s in free_slots:
+            out.append(f"free slot {s} is live")
         if pg is None:
             if refs[s]:
                 out.append(f"dead slot {s} still has {refs[s]} memberships")

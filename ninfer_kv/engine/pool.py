@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterator, MutableMapping
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from ninfer_kv.engine.address_space import KVAddressSpace
+from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.pages import LogicalKVPage
 
 I64 = np.int64
@@ -150,11 +150,11 @@ class PoolState:
         self.capacity = capacity
         self.rows = rows                        # C: block-table rows
         self.logical_pages = logical_pages      # L: columns of a block-table row
-        self.free_pages = SortedList(range(capacity))
+        self.free_pages = FreeIds(capacity, range(capacity))
         self.reserved = 0
-        self.free_rows = SortedList(range(rows))
+        self.free_rows = FreeIds(rows, range(rows))
         self.row_owner: dict[int, int] = {}     # row -> bundle
-        self.free_slots = SortedList()
+        self.free_slots = FreeIds(max(16, capacity))
         # per slot (LogicalKVPage's fields)
         self.n_slots = 0                        # slots ever used; pages[0:n_slots]
         n = max(16, capacity)
@@ -185,7 +185,7 @@ class PoolState:
 
     def pick_slots(self, n: int) -> list[int]:
         """The n slots a command will use: lowest free ones, then fresh ones."""
-        out = list(self.free_slots[:n])
+        out = self.free_slots.lowest(n)
         nxt = self.n_slots
         while len(out) < n:
             out.append(nxt)
@@ -193,7 +193,7 @@ class PoolState:
         return out
 
     def pick_pages(self, n: int) -> list[int]:
-        return list(self.free_pages[:n])
+        return self.free_pages.lowest(n)
 
     # --- array capacity (no state: only room for it) ------------------------------------------
     def ensure_slot(self, slot: int) -> None:
@@ -201,6 +201,7 @@ class PoolState:
             for name, fill in PG_FIELDS:
                 setattr(self, name, _grown(getattr(self, name), slot + 1, fill))
             self.pg_live = _grown(self.pg_live, slot + 1, 0)
+            self.free_slots.grow(len(self.pg_live))
 
     def init_pages(self, slots: np.ndarray | list[int], devices: np.ndarray | list[int],
                    writers: np.ndarray | list[int] | int, active: bool) -> None:

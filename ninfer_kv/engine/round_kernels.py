@@ -120,3 +120,29 @@ def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
         i = idx[j]
         sp_members[i, sp_nmem[i]] = slots[j]
         sp_nmem[i] += 1
+
+
+@njit(cache=True, nogil=True)
+def member_width(idx: np.ndarray, sp_nmem: np.ndarray) -> int:
+    """The membership length the widest space of ``idx`` reaches after ``append_members``."""
+    extra = np.zeros(sp_nmem.shape[0], np.int64)
+    width = 0
+    for j in range(idx.shape[0]):
+        i = idx[j]
+        extra[i] += 1
+        width = max(width, sp_nmem[i] + extra[i])
+    return width
+
+
+@njit(cache=True, nogil=True)
+def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> np.ndarray:
+    """The distinct slots of ``slots`` with no reference and no pin (garbage, §5.3),
+    ascending."""
+    out = np.empty(slots.shape[0], np.int64)
+    k = 0
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        if pg_refs[s] == 0 and pg_pins[s] == 0:
+            out[k] = s
+            k += 1
+    return np.unique(out[:k])

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedDict
 
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
+from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
@@ -123,8 +124,8 @@ def decode_state(data: bytes) -> StoreState:
         spec = specs[ps.name]
         p = PoolState(ps.name, spec.capacity, spec.rows, spec.logical_pages)
         p.reserved = ps.reserved
-        p.free_pages = SortedList(ps.free_pages)
-        p.free_rows = SortedList(ps.free_rows)
+        p.free_pages = FreeIds(spec.capacity, ps.free_pages)
+        p.free_rows = FreeIds(spec.rows, ps.free_rows)
         n = len(ps.gens)
         if n:
             p.ensure_slot(n - 1)
@@ -136,7 +137,7 @@ def decode_state(data: bytes) -> StoreState:
             (pg.gen, pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
                 t[1], t[2], t[3], t[4], t[5], t[6], t[9])
             pg.host = None if t[10] == NO_PAGE else (t[10], t[11], t[12], t[13])
-        p.free_slots = SortedList(np.flatnonzero(~p.pg_live[:n]).tolist())
+        p.free_slots = FreeIds(len(p.pg_live), np.flatnonzero(~p.pg_live[:n]))
         for t in ps.spaces:
             sp = KVAddressSpace(p, t[0], t[5], t[6])
             sp.committed, sp.provisional, sp.protected, sp.active = t[1], t[2], t[3], t[4]

@@ -126,7 +126,7 @@ class KVStore(StoreCore):
         plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
         bundle = self.state.next_bundle
-        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows[0], total,
+        events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows.first(), total,
                               prompt_tokens)
                   for p, n in plan.items()]
         self._emit(*events, ev.PublishActive(bundle))
@@ -199,10 +199,11 @@ class KVStore(StoreCore):
         return n
 
     def _check_private(self, p: PoolState, sp: KVAddressSpace, start: int) -> None:
-        for blk in range(start, sp.nmem):
-            pg = p.pages[sp.member(blk)]
-            if pg is None or pg.refs != 1 or pg.pins:
-                raise WritePermissionError(why_not_writable(p, sp.bundle, blk))
+        """Blocks ``start..`` of ``sp`` may be trimmed: live, one reference, no pin."""
+        tail = sp.slots[start:]
+        bad = ~p.pg_live[tail] | (p.pg_refs[tail] != 1) | (p.pg_pins[tail] != 0)
+        if bad.any():
+            raise WritePermissionError(why_not_writable(p, sp.bundle, start + int(bad.argmax())))
 
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         """Move the committed frontier back (not below the protected frontier), then trim.

@@ -45,7 +45,7 @@ def warm_profile(profile: Profile | str) -> None:
                                  torch.tensor([2], dtype=torch.int32))
         page = store.state.pools["main"].pages[store.space(a).members[0]]
         assert page is not None
-        free = store.state.pools["main"].free_pages[0]
+        free = store.state.pools["main"].free_pages.first()
         store.device.copy_columns("main", page.device, free, 2)  # a free page: no owner
     finally:
         store.close()

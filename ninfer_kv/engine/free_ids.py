@@ -1,0 +1,130 @@
+"""``FreeIds``: the free device page groups, slots or rows of a pool (spec §5.2).
+
+A bitmap over the id space, the count of set bits, and ``lo``, a lower bound of the lowest
+free id. Commands pick the lowest free ids (locality; nothing depends on contiguity, §4.2):
+``lowest(n)`` scans from ``lo`` in chunks and, in the common case, touches little more than
+the ids it returns. ``take`` (ids leave the set) keeps ``lo`` a lower bound; ``give`` (ids
+return) lowers it. Batches cost a few array operations, not one tree update per id.
+
+An id is either free or not: giving a free id or taking a taken one raises ``ValueError`` (a
+double free is a bug or a damaged journal, and replay stops on it), so "the free list holds
+an id twice" cannot be represented. The id space grows (``grow``) for slots, which are
+allocated past the end when none is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from numba import njit
+
+CHUNK = 4096
+
+
+@njit(cache=True, nogil=True)
+def _flip(bits: np.ndarray, ids: np.ndarray, want: bool) -> int:
+    """Set ``bits[ids]`` to ``not want`` if every one is ``want`` (so no id twice) and in
+    range: -1; else the first offending index, with ``bits`` as it was."""
+    n = bits.shape[0]
+    for j in range(ids.shape[0]):
+        i = ids[j]
+        if i < 0 or i >= n or bits[i] != want:
+            for k in range(j):
+                bits[ids[k]] = want
+            return j
+        bits[i] = not want
+    return -1
+
+
+class FreeIds:
+    __slots__ = ("bits", "n", "lo")
+
+    def __init__(self, size: int, ids: Iterable[int] = ()) -> None:
+        self.bits = np.zeros(max(size, 1), np.bool_)
+        self.n = 0
+        self.lo = 0
+        self.give(np.fromiter(ids, np.int64))
+
+    # --- reading ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def __contains__(self, i: object) -> bool:
+        return isinstance(i, int | np.integer) and 0 <= i < len(self.bits) and bool(self.bits[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self.bits).tolist())
+
+    def __repr__(self) -> str:
+        return f"FreeIds({list(self)[:8]}{'...' if self.n > 8 else ''}, n={self.n})"
+
+    def lowest(self, n: int) -> list[int]:
+        """The ``n`` lowest free ids, ascending (fewer if fewer are free)."""
+        out: list[int] = []
+        bits, start, size = self.bits, self.lo, len(self.bits)
+        n = min(n, self.n)
+        while len(out) < n and start < size:
+            hit = np.flatnonzero(bits[start:start + CHUNK])
+            if len(hit):
+                out.extend((hit[:n - len(out)] + start).tolist())
+            elif not out:
+                self.lo = start + CHUNK  # nothing free below: a tighter bound for next time
+            start += CHUNK
+        return out
+
+    def first(self) -> int:
+        """The lowest free id (``IndexError`` when none is)."""
+        got = self.lowest(1)
+        if not got:
+            raise IndexError("no free id")
+        return got[0]
+
+    def last(self) -> int:
+        """The highest free id (``IndexError`` when none is)."""
+        hit = np.flatnonzero(self.bits)
+        if not len(hit):
+            raise IndexError("no free id")
+        return int(hit[-1])
+
+    # --- changing --------------------------------------------------------------------------------
+    def take(self, ids: np.ndarray | list[int]) -> None:
+        """``ids`` are no longer free; ``ValueError`` (and no change) if one is not free or
+        appears twice."""
+        if not len(ids):
+            return
+        ids = np.asarray(ids, np.int64)
+        j = _flip(self.bits, ids, True)
+        if j >= 0:
+            raise ValueError(f"take of id {int(ids[j])} (index {j}), which is not free (or "
+                             f"appears twice, or lies outside [0, {len(self.bits)}))")
+        self.n -= len(ids)
+
+    def give(self, ids: np.ndarray | list[int]) -> None:
+        """``ids`` become free; ``ValueError`` (and no change) if one already is, appears
+        twice or lies outside the id space."""
+        if not len(ids):
+            return
+        ids = np.asarray(ids, np.int64)
+        j = _flip(self.bits, ids, False)
+        if j >= 0:
+            raise ValueError(f"give of id {int(ids[j])} (index {j}), which is already free (or "
+                             f"appears twice, or lies outside [0, {len(self.bits)}))")
+        self.n += len(ids)
+        self.lo = min(self.lo, int(ids.min()))
+
+    def add(self, i: int) -> None:
+        self.give([i])
+
+    def remove(self, i: int) -> None:
+        self.take([i])
+
+    def grow(self, size: int) -> None:
+        """Room for ids below ``size`` (new ids are not free)."""
+        if size > len(self.bits):
+            bits = np.zeros(max(size, 2 * len(self.bits)), np.bool_)
+            bits[:len(self.bits)] = self.bits
+            self.bits = bits

@@ -1,0 +1,83 @@
+"""FreeIds (engine/free_ids.py) against a plain set: a hypothesis state machine."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ninfer_kv.engine import free_ids
+from ninfer_kv.engine.free_ids import FreeIds
+
+
+class FreeIdsMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 40
+        self.f = FreeIds(self.size, range(0, 40, 3))
+        self.model = set(range(0, 40, 3))
+
+    @rule(ids=st.lists(st.integers(-2, 45), max_size=5))
+    def take(self, ids: list[int]) -> None:
+        ok = (all(0 <= i < self.size and i in self.model for i in ids)
+              and len(set(ids)) == len(ids))
+        if ok:
+            self.f.take(ids)
+            self.model -= set(ids)
+        else:
+            before = list(self.f)
+            with pytest.raises(ValueError):
+                self.f.take(ids)
+            assert list(self.f) == before  # a refused take changes nothing
+
+    @rule(ids=st.lists(st.integers(-2, 45), max_size=5))
+    def give(self, ids: list[int]) -> None:
+        ok = (all(0 <= i < self.size and i not in self.model for i in ids)
+              and len(set(ids)) == len(ids))
+        if ok:
+            self.f.give(ids)
+            self.model |= set(ids)
+        else:
+            before = list(self.f)
+            with pytest.raises(ValueError):
+                self.f.give(ids)
+            assert list(self.f) == before
+
+    @rule(n=st.integers(0, 50))
+    def lowest(self, n: int) -> None:
+        assert self.f.lowest(n) == sorted(self.model)[:n]
+
+    @precondition(lambda self: self.size < 200)  # growth doubles: keep the machine small
+    @rule(extra=st.integers(0, 20))
+    def grow(self, extra: int) -> None:
+        self.f.grow(self.size + extra)
+        assert len(self.f.bits) >= self.size + extra
+        self.size = len(self.f.bits)  # room may exceed the request (doubling)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert len(self.f) == len(self.model) and bool(self.f) == bool(self.model)
+        assert list(self.f) == sorted(self.model)
+        assert all((i in self.f) == (i in self.model) for i in range(-1, self.size + 1))
+        assert self.f.lo <= min(self.model, default=self.f.lo)  # lo is a lower bound
+        if self.model:
+            assert (self.f.first(), self.f.last()) == (min(self.model), max(self.model))
+        else:
+            with pytest.raises(IndexError):
+                self.f.first()
+
+
+FreeIdsMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
+                                            deadline=None)
+TestFreeIds = FreeIdsMachine.TestCase
+
+
+def test_lowest_scans_past_empty_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked scan finds ids several chunks above the bound and tightens the bound."""
+    monkeypatch.setattr(free_ids, "CHUNK", 4)
+    f = FreeIds(64, [30, 31, 50])
+    assert f.lowest(2) == [30, 31] and f.lowest(5) == [30, 31, 50]
+    assert 0 < f.lo <= 30
+    f.give([1])
+    assert f.lo == 1 and f.lowest(1) == [1]
