@@ -262,6 +262,11 @@ def verify_checkpoint(store: Txn, bundle: int) -> str | None:
     arena = store.arena
     if arena is None:
         return "no host arena"
+    pools = st.bundles[bundle].pools
+    if arena.path is None and any(st.pools[p].spaces[bundle].nmem for p in pools):
+        # the bytes died with the process; a fresh buffer may even reuse the old memory, so
+        # matching CRCs would prove nothing (§5.3: only a persistent host tier survives)
+        return "the host arena is in memory: its replicas did not survive the restart"
     for pool in st.bundles[bundle].pools:
         p = st.pools[pool]
         pb = _page_bytes(st, pool)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import (
     InvalidArgument,
@@ -185,6 +186,34 @@ def test_survives_restart_is_what_a_reopen_keeps(tmp_path: Path) -> None:
     s2 = KVStore.open(s.config)
     assert said == {ck: ck in s2.recovery.kept for ck in (empty, full)} == {empty: True,
                                                                             full: False}
+    s2.close()
+
+
+def test_an_in_memory_arena_is_never_trusted_after_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the mutation harness, whose in-process runs made this flaky: a reopened
+    store's fresh in-memory arena (``torch.empty``) can reuse the closed one's memory, so the
+    old replicas' CRCs still matched and recovery kept a checkpoint whose host tier died with
+    the process. Here the reuse is forced: the new arena starts with the old bytes."""
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))
+    full = checkpoint_at(s, 64)
+    s.offload(full)
+    step(s)
+    old = s.arena.data.clone()  # type: ignore[union-attr]
+    s.close()
+    real = HostArenaBuffer.__init__
+
+    def reused(self: HostArenaBuffer, capacity: int, path: str | None = None,
+               pin: bool | None = None) -> None:
+        real(self, capacity, path, pin)
+        if path is None:
+            self.data.copy_(old)  # what the allocator may hand back
+
+    monkeypatch.setattr(HostArenaBuffer, "__init__", reused)
+    s2 = KVStore.open(s.config)
+    assert full not in s2.recovery.kept
+    assert "in memory" in s2.recovery.dropped[full]
+    s2.check_invariants()
     s2.close()
 
 
