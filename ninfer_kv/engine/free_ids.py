@@ -2,9 +2,10 @@
 
 A bitmap over the id space, the count of set bits, and ``lo``, a lower bound of the lowest
 free id. Commands pick the lowest free ids (locality; nothing depends on contiguity, §4.2):
-``lowest(n)`` scans from ``lo`` in chunks and, in the common case, touches little more than
-the ids it returns. ``take`` (ids leave the set) keeps ``lo`` a lower bound; ``give`` (ids
-return) lowers it. Batches cost a few array operations, not one tree update per id.
+``lowest(n)`` is one compiled scan from ``lo`` that stops at the ``n``-th free id, so it
+touches little more than the ids it returns (and tightens ``lo``). ``take`` (ids leave the
+set) keeps ``lo`` a lower bound; ``give`` (ids return) lowers it. A batch costs one compiled
+pass, not one tree update per id.
 
 An id is either free or not: giving a free id or taking a taken one raises ``ValueError`` (a
 double free is a bug or a damaged journal, and replay stops on it), so "the free list holds
@@ -19,7 +20,25 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from numba import njit
 
-CHUNK = 4096
+
+@njit(cache=True, nogil=True)
+def _lowest(bits: np.ndarray, lo: int, n: int) -> tuple[np.ndarray, int]:
+    """(the ``n`` lowest set bits at or above ``lo``, the lowest set bit or ``lo``'s new
+    bound): one pass from ``lo`` that stops at the ``n``-th hit."""
+    out = np.empty(n, np.int64)
+    k = 0
+    i = lo
+    first = -1
+    while k < n and i < bits.shape[0]:
+        if bits[i]:
+            if first < 0:
+                first = i
+            out[k] = i
+            k += 1
+        i += 1
+    if first < 0:  # nothing free from lo to where the scan stopped
+        first = i
+    return out[:k], first
 
 
 @njit(cache=True, nogil=True)
@@ -64,17 +83,8 @@ class FreeIds:
 
     def lowest(self, n: int) -> list[int]:
         """The ``n`` lowest free ids, ascending (fewer if fewer are free)."""
-        out: list[int] = []
-        bits, start, size = self.bits, self.lo, len(self.bits)
-        n = min(n, self.n)
-        while len(out) < n and start < size:
-            hit = np.flatnonzero(bits[start:start + CHUNK])
-            if len(hit):
-                out.extend((hit[:n - len(out)] + start).tolist())
-            elif not out:
-                self.lo = start + CHUNK  # nothing free below: a tighter bound for next time
-            start += CHUNK
-        return out
+        out, self.lo = _lowest(self.bits, self.lo, min(n, self.n))
+        return out.tolist()
 
     def first(self) -> int:
         """The lowest free id (``IndexError`` when none is)."""

@@ -2,23 +2,31 @@
 
 ``violations(state)`` recomputes counts independently of the incremental bookkeeping in
 ``apply`` and returns a list of human-readable violations (empty when clean). Tests call it
-after every step; replay can call it after every event.
+after every step; replay calls it at the end (and after every event with ``--verify-every``).
+
+It reads the pools' arrays (``PoolState.pg_*``, ``sp_*``) with array operations: a check
+costs a few array passes per pool plus one small step per address space, and a message is
+built only for what is wrong.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
+
+I64 = np.int64
 
 
 def violations(st: StoreState) -> list[str]:
     out: list[str] = []
-    for name, pool in st.pools.items():
+    for name in st.pools:
         out.extend(f"{name}: {v}" for v in _pool_violations(st, name))
-        del pool
     out.extend(_host_violations(st))
     for bid, b in st.bundles.items():
         for pname in b.pools:
@@ -34,31 +42,46 @@ def violations(st: StoreState) -> list[str]:
     return out
 
 
+def _leases(pool: PoolState, live: np.ndarray, out: list[str]) -> int:
+    """Device leases: one logical page each, in range, not free. Returns how many."""
+    dev = pool.pg_device[live]
+    leases = dev[dev != NO_PAGE]
+    ids, counts = np.unique(leases, return_counts=True)
+    if (counts > 1).any():
+        out.append(f"device pages {ids[counts > 1][:5].tolist()} leased by more than one "
+                   "logical page (§14)")
+    inside = leases[(leases >= 0) & (leases < pool.capacity)]
+    if len(inside) != len(leases):
+        out.append("device page id out of range")
+    bits = pool.free_pages.bits
+    if bits[inside[inside < len(bits)]].any():
+        out.append("a leased device page is also on the free list")
+    return len(leases)
+
+
 def _pool_violations(st: StoreState, name: str) -> list[str]:
     pool = st.pools[name]
     out: list[str] = []
-    live = [pg for pg in pool.pages if pg is not None]
-    leases = [pg.device for pg in live if pg.device != NO_PAGE]
-    allocated = len(leases)
-    dup = [d for d, c in Counter(leases).items() if c > 1]
-    if dup:
-        out.append(f"device pages {dup[:5]} leased by more than one logical page (§14)")
-    if set(leases) & set(pool.free_pages):
-        out.append("a leased device page is also on the free list")
-    if any(not 0 <= d < pool.capacity for d in leases):
-        out.append("device page id out of range")
+    n = pool.n_slots
+    alive_at = pool.pg_live[:n]
+    live = np.flatnonzero(alive_at)
+    allocated = _leases(pool, live, out)
+    members = {b: sp.slots.astype(I64) for b, sp in pool.spaces.items()}
+    size = max([n, *(int(m.max()) + 1 for m in members.values() if len(m))])
+    refs = np.zeros(size, I64)
+    active_refs = np.zeros(size, I64)
+    active_keys: list[np.ndarray] = []   # bundle * size + slot of every active membership
     reserved = 0
-    refs: Counter[int] = Counter()
-    active_refs: Counter[int] = Counter()
     rows: dict[int, int] = {}
     for b, sp in pool.spaces.items():
+        mem = members[b]
         if sp.bundle != b:
             out.append(f"space key {b} != bundle {sp.bundle}")
-        for s in sp.members:
-            refs[s] += 1
-            if sp.active:
-                active_refs[s] += 1
-        if len(set(sp.members)) != sp.nmem:
+        np.add.at(refs, mem, 1)
+        if sp.active:
+            np.add.at(active_refs, mem, 1)
+            active_keys.append(b * size + mem)
+        if len(np.unique(mem)) != sp.nmem:
             out.append(f"bundle {b}: a page appears twice in one membership")
         if sp.nmem > pool.logical_pages:
             out.append(f"bundle {b}: {sp.nmem} pages > L={pool.logical_pages}")
@@ -81,16 +104,7 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
                 rows[sp.row] = b
         elif sp.row >= 0:
             out.append(f"inactive bundle {b} occupies row {sp.row} (§14)")
-        for i, s in enumerate(sp.members):
-            pg = pool.pages[s] if s < len(pool.pages) else None
-            if pg is None:
-                out.append(f"bundle {b}: block {i} -> dead slot {s}")
-                continue
-            need = min(P, max(0, sp.committed - i * P))
-            if pg.committed < need:
-                out.append(f"bundle {b}: block {i} page {s} committed {pg.committed} < {need}")
-            if pg.device == NO_PAGE and sp.active:
-                out.append(f"active bundle {b}: block {i} has no device replica")
+        _blocks(pool, b, sp.committed, sp.active, mem, out)
     if reserved != pool.reserved:
         out.append(f"reserved {pool.reserved} != sum of active reservations {reserved}")
     available = len(pool.free_pages) - reserved
@@ -100,39 +114,80 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     if rows != pool.row_owner or len(pool.free_rows) + len(rows) != pool.rows or \
             set(pool.free_rows) & set(rows):
         out.append(f"execution rows inconsistent: owners {pool.row_owner} vs spaces {rows}")
-    for pg in live:
-        if pg.refs != refs[pg.slot]:
-            out.append(f"page {pg.slot} refs {pg.refs} != memberships {refs[pg.slot]}")
-        if pg.active_refs != active_refs[pg.slot]:
-            out.append(f"page {pg.slot} active_refs {pg.active_refs} != {active_refs[pg.slot]}")
-        if not 0 <= pg.protected <= pg.committed <= P:
-            out.append(f"page {pg.slot} columns protected={pg.protected} committed="
-                       f"{pg.committed} out of range")
-        if pg.writer != NO_PAGE:
-            sp = pool.spaces.get(pg.writer)
-            if sp is None or not sp.active or pg.slot not in sp.members:
-                out.append(f"page {pg.slot} writer {pg.writer} is not an active member")
-            if pg.refs > 1:
-                out.append(f"page {pg.slot} is shared ({pg.refs} refs) but has writer "
-                           f"{pg.writer} (§9.4)")
-        if pg.refs == 0 and pg.pins == 0 and pg.host is None:
-            out.append(f"page {pg.slot} has no reference, pin or replica but is not recycled")
-    for s in pool.free_slots:
-        if s >= len(pool.pages) or pool.pages[s] is not None:
-            out.append(f"free slot {s} is live")
+    keys = np.concatenate(active_keys) if active_keys else np.zeros(0, I64)
+    _pages(pool, live, refs, active_refs, keys, size, out)
+    free = np.flatnonzero(pool.free_slots.bits)
+    inside = free[free < n]
+    for s in sorted([*free[free >= n].tolist(), *inside[alive_at[inside]].tolist()]):
+        out.append(f"free slot {s} is live")
     return out
+
+
+def _blocks(pool: PoolState, b: int, committed: int, active: bool, mem: np.ndarray,
+            out: list[str]) -> None:
+    """Each block of a membership: a live page holding the committed columns of its block;
+    in an active space, one with a device replica."""
+    alive = np.zeros(len(mem), np.bool_)
+    inside = mem < pool.n_slots
+    alive[inside] = pool.pg_live[mem[inside]]
+    need = np.clip(committed - P * np.arange(len(mem), dtype=I64), 0, P)
+    short = alive & (pool.pg_committed[np.where(alive, mem, 0)] < need)
+    nodev = alive & (pool.pg_device[np.where(alive, mem, 0)] == NO_PAGE) if active else None
+    for i in np.flatnonzero(~alive | short | (nodev if nodev is not None else False)).tolist():
+        s = int(mem[i])
+        if not alive[i]:
+            out.append(f"bundle {b}: block {i} -> dead slot {s}")
+            continue
+        if short[i]:
+            out.append(f"bundle {b}: block {i} page {s} committed "
+                       f"{int(pool.pg_committed[s])} < {int(need[i])}")
+        if nodev is not None and nodev[i]:
+            out.append(f"active bundle {b}: block {i} has no device replica")
+
+
+def _pages(pool: PoolState, live: np.ndarray, refs: np.ndarray, active_refs: np.ndarray,
+           active_keys: np.ndarray, size: int, out: list[str]) -> None:
+    """Each live page: references and active references equal the memberships that hold
+    it, columns in range, its writer an active member and the page private (§9.4), and a
+    page nothing holds is recycled."""
+    pr, pa = pool.pg_refs[live], pool.pg_active[live]
+    prot, comm, w = pool.pg_protected[live], pool.pg_committed[live], pool.pg_writer[live]
+    for s in live[pr != refs[live]].tolist():
+        out.append(f"page {s} refs {int(pool.pg_refs[s])} != memberships {int(refs[s])}")
+    for s in live[pa != active_refs[live]].tolist():
+        out.append(f"page {s} active_refs {int(pool.pg_active[s])} != {int(active_refs[s])}")
+    for s in live[(prot < 0) | (prot > comm) | (comm > P)].tolist():
+        out.append(f"page {s} columns protected={int(pool.pg_protected[s])} committed="
+                   f"{int(pool.pg_committed[s])} out of range")
+    has = w != NO_PAGE
+    stray = has & ~np.isin(w * size + live, active_keys)
+    for s in live[stray].tolist():
+        out.append(f"page {s} writer {int(pool.pg_writer[s])} is not an active member")
+    for s in live[has & (pr > 1)].tolist():
+        out.append(f"page {s} is shared ({int(pool.pg_refs[s])} refs) but has writer "
+                   f"{int(pool.pg_writer[s])} (§9.4)")
+    for s in live[(pr == 0) & (pool.pg_pins[live] == 0)].tolist():
+        if s not in pool.host_of:
+            out.append(f"page {s} has no reference, pin or replica but is not recycled")
+
+
+def _expected_pins(st: StoreState, name: str, pending: Counter[tuple[str, int]]) -> np.ndarray:
+    """Per slot of pool ``name``: queued device copies + pending host transfers."""
+    pool = st.pools[name]
+    exp = np.zeros(max(pool.n_slots, 1), I64)
+    for src in (st.copy_pins, pending):
+        for (p, s), k in src.items():
+            if p == name and 0 <= s < len(exp):
+                exp[s] += k
+    return exp
 
 
 def _host_violations(st: StoreState) -> list[str]:
     """Host arena: extents tile the arena; every live extent is one page's published replica
     or part of an unpublished destination (nothing leaked); pins == pending transfers + pins
     of queued device copies."""
-    pins: Counter[tuple[str, int]] = Counter(st.copy_pins)
-    if st.host is None:
-        return [f"page {p}:{s} pins {pg.pins} != queued copies {pins[(p, s)]}"
-                for p, pool in st.pools.items() for pg in pool.pages if pg is not None
-                for s in (pg.slot,) if pg.pins != pins[(p, s)]]
-    out = list(st.host.violations())
+    pending: Counter[tuple[str, int]] = Counter()
+    out: list[str] = [] if st.host is None else list(st.host.violations())
     owned: dict[int, str] = {}
     for first, (pool, slots, offsets) in st.host_pending.items():
         if offsets[0] != first:
@@ -140,27 +195,33 @@ def _host_violations(st: StoreState) -> list[str]:
         size = next(s.page_bytes for s in st.pool_specs if s.name == pool)
         for slot, off in zip(slots, offsets, strict=True):
             owned[off] = f"pending {pool}:{slot}"
-            pins[(pool, slot)] += 1
-            if st.host.live.get(off) != -(-size // 64) * 64:
+            pending[(pool, slot)] += 1
+            if st.host is not None and st.host.live.get(off) != -(-size // 64) * 64:
                 out.append(f"page {pool}:{slot} pending destination at {off} is not a live "
                            f"extent of {size} B")
     for name, pool in st.pools.items():
+        live = np.flatnonzero(pool.pg_live[:pool.n_slots])
+        exp = _expected_pins(st, name, pending)
+        got = pool.pg_pins[live]
+        for s in live[got != exp[live]].tolist():
+            what = "queued copies" if st.host is None else "pending transfers and queued copies"
+            out.append(f"page {name}:{s} pins {int(pool.pg_pins[s])} != {what} {int(exp[s])}")
+        if st.host is None:
+            continue
         size = next(s.page_bytes for s in st.pool_specs if s.name == name)
-        for pg in pool.pages:
-            if pg is None:
-                continue
-            if pg.pins != pins[(name, pg.slot)]:
-                out.append(f"page {name}:{pg.slot} pins {pg.pins} != pending transfers and "
-                           f"queued copies {pins[(name, pg.slot)]}")
-            if pg.host is not None:
-                off = pg.host[0]
-                if off in owned:
-                    out.append(f"host extent {off} owned twice ({owned[off]}, {name}:{pg.slot})")
-                owned[off] = f"{name}:{pg.slot}"
-                if st.host.live.get(off) != -(-size // 64) * 64:
-                    out.append(f"page {name}:{pg.slot} host replica at {off} is not a live "
-                               f"extent of {size} B")
-    leaked = set(st.host.live) - set(owned)
-    if leaked:
-        out.append(f"host extents {sorted(leaked)[:5]} leaked (no page, no pending transfer)")
+        for s in sorted(pool.host_of):
+            if not (s < pool.n_slots and pool.pg_live[s]):
+                continue  # a free slot owns nothing: its extent shows up as leaked
+            off = pool.host_of[s][0]
+            if off in owned:
+                out.append(f"host extent {off} owned twice ({owned[off]}, {name}:{s})")
+            owned[off] = f"{name}:{s}"
+            if st.host.live.get(off) != -(-size // 64) * 64:
+                out.append(f"page {name}:{s} host replica at {off} is not a live extent of "
+                           f"{size} B")
+    if st.host is not None:
+        leaked = set(st.host.live) - set(owned)
+        if leaked:
+            out.append(f"host extents {sorted(leaked)[:5]} leaked (no page, no pending "
+                       "transfer)")
     return out

@@ -10,6 +10,7 @@ depends on timings or on the order in which dicts were filled.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from typing import Any
 
@@ -55,7 +56,7 @@ class _PoolSnap(msgspec.Struct, array_like=True, gc=False):
     free_pages: list[int]
     free_rows: list[int]
     gens: list[int]
-    pages: list[tuple[int, ...]]     # LogicalKVPage.as_tuple for live slots
+    pages: list[list[int]]           # LogicalKVPage.as_tuple for live slots
     spaces: list[tuple[Any, ...]]    # KVAddressSpace.as_tuple, by bundle
 
 
@@ -82,13 +83,35 @@ def _canonical(obj: Any) -> Any:
     return obj
 
 
+def page_tuples(p: PoolState) -> list[list[int]]:
+    """``LogicalKVPage.as_tuple()`` of every live page of ``p`` in slot order (as lists: the
+    same msgpack), built from the arrays: a snapshot and the digest cost a few array passes,
+    not one view per page."""
+    live = np.flatnonzero(p.pg_live[:p.n_slots])
+    host = np.tile(np.array([NO_PAGE, 0, 0, 0], np.int64), (len(live), 1))
+    held = np.array(sorted(s for s in p.host_of if s < p.n_slots and p.pg_live[s]), np.int64)
+    if len(held):
+        host[np.searchsorted(live, held)] = [p.host_of[s] for s in held.tolist()]
+    cols = [live, *(a[live] for a in (p.pg_gen, p.pg_epoch, p.pg_committed, p.pg_protected,
+                                      p.pg_refs, p.pg_active, p.pg_writer, p.pg_device,
+                                      p.pg_pins))]
+    table = np.column_stack([*cols, host])
+    paused = gc.isenabled()
+    gc.disable()  # tens of thousands of small lists: no collection passes while they are made
+    try:
+        return table.tolist()
+    finally:
+        if paused:
+            gc.enable()
+
+
 def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
     pools = []
     for name in sorted(st.pools):
         p = st.pools[name]
         pools.append(_PoolSnap(
             name, p.reserved, list(p.free_pages), list(p.free_rows), list(p.gens),
-            [pg.as_tuple() for pg in p.pages if pg is not None],
+            page_tuples(p),
             [p.spaces[b].as_tuple() for b in sorted(p.spaces)]))
     bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
     snap = _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),

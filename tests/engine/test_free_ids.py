@@ -7,7 +7,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ninfer_kv.engine import free_ids
 from ninfer_kv.engine.free_ids import FreeIds
 
 
@@ -73,11 +72,11 @@ FreeIdsMachine.TestCase.settings = settings(max_examples=200, stateful_step_coun
 TestFreeIds = FreeIdsMachine.TestCase
 
 
-def test_lowest_scans_past_empty_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked scan finds ids several chunks above the bound and tightens the bound."""
-    monkeypatch.setattr(free_ids, "CHUNK", 4)
+def test_lowest_tightens_its_bound_and_give_lowers_it() -> None:
     f = FreeIds(64, [30, 31, 50])
     assert f.lowest(2) == [30, 31] and f.lowest(5) == [30, 31, 50]
-    assert 0 < f.lo <= 30
+    assert f.lo == 30
+    f.take([30, 31, 50])
+    assert f.lowest(1) == [] and len(f) == 0
     f.give([1])
     assert f.lo == 1 and f.lowest(1) == [1]
