@@ -42,6 +42,7 @@ def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKV
     """One fresh page in a free (or the next never-used) slot, holding ``device``."""
     if slot != pool.n_slots:
         pool.free_slots.take([slot])  # ValueError: neither free nor the next slot
+    pool.ensure_slot(slot)
     assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
     if device != NO_PAGE:
         pool.free_pages.take([device])

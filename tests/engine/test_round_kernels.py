@@ -151,3 +151,4 @@ def test_apply_commit_of_an_unknown_seq_applies_nothing():
     bad = rk.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
                           committed, np.array([[0, 1]], np.int32), pg)
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
+
