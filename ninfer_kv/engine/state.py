@@ -21,7 +21,7 @@ from sortedcontainers import SortedDict
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.host_arena import ExtentAllocator
-from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal.events import PoolSpec
 
@@ -154,12 +154,17 @@ def decode_state(data: bytes) -> StoreState:
             p.ensure_slot(n - 1)
         p.n_slots = n
         p.pg_gen[:n] = ps.gens
-        for t in ps.pages:
-            p.init_pages([t[0]], [t[8]], t[7], False)
-            pg = LogicalKVPage(p, t[0])
-            (pg.gen, pg.epoch, pg.committed, pg.protected, pg.refs, pg.active_refs, pg.pins) = (
-                t[1], t[2], t[3], t[4], t[5], t[6], t[9])
-            pg.host = None if t[10] == NO_PAGE else (t[10], t[11], t[12], t[13])
+        rows = np.array(ps.pages, np.int64).reshape(-1, 14)  # page_tuples, back to arrays
+        if len(rows):
+            slots = rows[:, 0]
+            p.ensure_slot(int(slots.max()))
+            p.pg_live[slots] = True
+            for k, field in enumerate(("pg_gen", "pg_epoch", "pg_committed", "pg_protected",
+                                       "pg_refs", "pg_active", "pg_writer", "pg_device",
+                                       "pg_pins"), start=1):
+                getattr(p, field)[slots] = rows[:, k]
+            for r in rows[rows[:, 10] != NO_PAGE].tolist():
+                p.host_of[r[0]] = (r[10], r[11], r[12], r[13])
         p.free_slots = FreeIds(len(p.pg_live), np.flatnonzero(~p.pg_live[:n]))
         for t in ps.spaces:
             sp = KVAddressSpace(p, t[0], t[5], t[6])
