@@ -66,7 +66,9 @@ class KVAddressSpace:
     def slots(self) -> np.ndarray:
         """The membership as an int32 array view of the pool's ``sp_members`` row, without
         the copy (read only: change it through ``members`` / ``append_member``)."""
-        return self._p.sp_members[self.i, :self._p.sp_nmem[self.i]]
+        v = self._p.sp_members[self.i, :self._p.sp_nmem[self.i]]
+        v.flags.writeable = False
+        return v
 
     @property
     def nmem(self) -> int:

@@ -157,9 +157,10 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
     pool = st.pools[e.pool]
     b, f = unpack(e.bundles), unpack(e.frontiers)
     assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
-    bad = rk.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_members,
-                          pool.pg_committed)
-    assert bad < 0, f"commit of seq {int(b[bad])}, which has no space in {e.pool}"
+    bad = rk.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
+                          pool.sp_members, pool.pg_committed)
+    assert bad < 0, (f"commit of seq {int(b[bad])} to {int(f[bad])}: no space in {e.pool}, or "
+                     "a frontier outside its membership")
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:

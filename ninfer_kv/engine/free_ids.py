@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import numpy as np
-from numba import njit
+
+from ninfer_kv.kernels.jit import njit
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _lowest(bits: np.ndarray, lo: int, n: int) -> tuple[np.ndarray, int]:
     """(the ``n`` lowest set bits at or above ``lo``, the lowest set bit or ``lo``'s new
     bound): one pass from ``lo`` that stops at the ``n``-th hit."""
@@ -41,7 +42,7 @@ def _lowest(bits: np.ndarray, lo: int, n: int) -> tuple[np.ndarray, int]:
     return out[:k], first
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _flip(bits: np.ndarray, ids: np.ndarray, want: bool) -> int:
     """Set ``bits[ids]`` to ``not want`` if every one is ``want`` (so no id twice) and in
     range: -1; else the first offending index, with ``bits`` as it was."""

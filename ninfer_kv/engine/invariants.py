@@ -211,7 +211,8 @@ def _host_violations(st: StoreState) -> list[str]:
         size = next(s.page_bytes for s in st.pool_specs if s.name == name)
         for s in sorted(pool.host_of):
             if not (s < pool.n_slots and pool.pg_live[s]):
-                continue  # a free slot owns nothing: its extent shows up as leaked
+                out.append(f"free slot {name}:{s} still records a host replica")
+                continue
             off = pool.host_of[s][0]
             if off in owned:
                 out.append(f"host extent {off} owned twice ({owned[off]}, {name}:{s})")

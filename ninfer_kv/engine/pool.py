@@ -213,6 +213,8 @@ class PoolState:
             return
         top = int(slots.max())
         self.ensure_slot(top)
+        assert not (self.host_of and any(s in self.host_of for s in slots.tolist())), \
+            f"{self.name}: a new page's slot still records a host replica"
         self.n_slots = max(self.n_slots, top + 1)
         self.pg_live[slots] = True
         self.pg_epoch[slots] = 0

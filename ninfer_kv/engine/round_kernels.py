@@ -14,9 +14,9 @@ error (engine/decode.py), so there is one wording of every refusal.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from ninfer_kv.engine.layout import P
+from ninfer_kv.kernels.jit import njit
 
 OK = 0
 UNKNOWN = 1      # not a sequence of this pool, or an inactive checkpoint
@@ -26,7 +26,7 @@ ENTITLEMENT = 4  # more pages than the entitlement (§8.1)
 WRITE = 5        # §9.4 write permission
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def resolve(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray
             ) -> tuple[np.ndarray, int, int]:
     """(space index of each bundle, code, j): every bundle an active space of the pool, none
@@ -46,7 +46,7 @@ def resolve(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray
     return idx, OK, -1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def plan_mapping(idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
                  sp_entitlement: np.ndarray, logical_pages: int) -> tuple[int, int, int]:
     """(pages to materialize, code, j) for ``ensure_mapped_many``: each ``tokens`` within
@@ -66,7 +66,7 @@ def plan_mapping(idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
     return total, OK, -1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def check_commit(bundles: np.ndarray, idx: np.ndarray, frontiers: np.ndarray,
                  sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
                  pg_writer: np.ndarray, pg_pins: np.ndarray, pg_protected: np.ndarray
@@ -89,17 +89,20 @@ def check_commit(bundles: np.ndarray, idx: np.ndarray, frontiers: np.ndarray,
     return OK, -1, -1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
-                 sp_committed: np.ndarray, sp_members: np.ndarray, pg_committed: np.ndarray
-                 ) -> int:
+                 sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
+                 pg_committed: np.ndarray) -> int:
     """``apply(CommitFrontiers)``, in event order: pages from the old frontier's block to
     the new one get their committed columns. Returns -1, or the first element naming no
-    space (a damaged journal; then nothing is applied)."""
+    space or a frontier outside [0, membership] (a damaged journal; then nothing is
+    applied)."""
     n = bundles.shape[0]
     for j in range(n):
         b = bundles[j]
         if not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0):
+            return j
+        if not 0 <= frontiers[j] <= sp_nmem[bundle_index[b]] * P:
             return j
     for j in range(n):
         i = bundle_index[bundles[j]]
@@ -111,7 +114,7 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
                    sp_nmem: np.ndarray) -> None:
     """``apply(Materialize)``'s membership part, in event order: slot ``j`` becomes the next
@@ -122,7 +125,7 @@ def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
         sp_nmem[i] += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def member_width(idx: np.ndarray, sp_nmem: np.ndarray) -> int:
     """The membership length the widest space of ``idx`` reaches after ``append_members``."""
     extra = np.zeros(sp_nmem.shape[0], np.int64)
@@ -134,7 +137,7 @@ def member_width(idx: np.ndarray, sp_nmem: np.ndarray) -> int:
     return width
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> np.ndarray:
     """The distinct slots of ``slots`` with no reference and no pin (garbage, §5.3),
     ascending."""

@@ -2,11 +2,12 @@
 ``cache=True`` into a directory of our own.
 
 Where: ``$NINFER_KV_JIT_CACHE`` if set, else ``$XDG_CACHE_HOME/ninfer-kv/numba`` (default
-``~/.cache``), then a subdirectory named by a hash of every ``ninfer_kv/kernels/*.py`` source
-and the numba and llvmlite versions. The hash matters: numba checks only the timestamp of the
-file that *defines* a cached function, while our kernels inline codecs and quantizers from
-other modules — a change to ``codecs.py`` would otherwise leave a kernel's stale machine code
-in use. numba keys entries by CPU model itself.
+``~/.cache``), then a subdirectory named by a hash of every ``ninfer_kv/kernels/*.py`` source,
+of the control plane's compiled loops (``ENGINE_KERNELS``) and of the numba and llvmlite
+versions. The hash matters: numba checks only the timestamp of the file that *defines* a cached
+function, while our kernels inline codecs and quantizers from other modules (and the control
+plane's bake in P from ``layout.py``) — a change there would otherwise leave stale machine
+code in use. numba keys entries by CPU model itself.
 
 The directory is set on ``numba.config.CACHE_DIR`` only while our functions are decorated
 (numba reads it then), so an application's own cached numba functions stay where it put them.
@@ -29,6 +30,9 @@ import structlog
 from numba.core import config
 
 KERNELS = Path(__file__).parent
+ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
+                       ("round_kernels.py", "free_ids.py", "layout.py"))
+"""The control plane's compiled loops (and the page size they bake in) share the cache."""
 log = structlog.get_logger(__name__)
 
 
@@ -41,7 +45,7 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"),
         "ninfer-kv", "numba")
     h = hashlib.sha256(f"numba {numba.__version__} llvmlite {llvmlite.__version__}".encode())
-    for src in sorted(KERNELS.glob("*.py")):
+    for src in [*sorted(KERNELS.glob("*.py")), *ENGINE_KERNELS]:
         h.update(src.name.encode())
         h.update(src.read_bytes())
     path = os.path.join(base, h.hexdigest()[:16])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ninfer_kv.engine.apply import _new_page
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
@@ -38,4 +40,33 @@ def test_snapshot_pages_equal_the_views(tmp_path: Path) -> None:
         views = [list(pg.as_tuple()) for pg in p.pages if pg is not None]
         assert views and page_tuples(p) == views
         assert any(pg.host is not None for pg in p.pages if pg is not None) or p.name != "main"
+    s.close()
+
+
+def test_a_host_replica_on_a_free_slot_is_reported_and_never_inherited(tmp_path: Path) -> None:
+    """Review finding: with replicas in a per-pool dict, a stale entry on a freed slot was
+    reported by nothing and the slot's next page would have inherited it."""
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))
+    a = checkpoint_at(s, 64)
+    s.offload(a)
+    step(s)
+    p = s.state.pools["main"]
+    (slot,) = s.space(a, "main").members
+    replica = p.host_of[slot]
+    s.release(a)
+    step(s)
+    assert slot not in p.host_of and p.pages[slot] is None
+    p.host_of[slot] = replica  # the fault
+    assert any("still records a host replica" in v for v in s.violations())
+    with pytest.raises(AssertionError, match="still records a host replica"):
+        p.init_pages([slot], [NO_PAGE], NO_PAGE, False)
+
+
+def test_a_space_slots_view_is_read_only(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    a = checkpoint_at(s, 100)
+    before = s.digest()
+    with pytest.raises(ValueError, match="read-only"):
+        s.space(a, "main").slots[0] = 7
+    assert s.digest() == before
     s.close()

@@ -133,7 +133,7 @@ def test_apply_commit_matches_oracle(args):
     bundles, idx, frontiers, committed, nmem, members, *_ = args
     bundle_index = np.full(20, -1, I64)
     bundle_index[bundles] = idx
-    assume((frontiers <= nmem * P).all())  # commit_many checked this before emitting
+    assume(((frontiers >= 0) & (frontiers <= nmem * P)).all())  # commit_many checked this
     pg = np.zeros(members.max() + 1, I64)
     want_pg, want_sp = pg.copy(), committed.copy()
     for j in range(len(bundles)):  # apply._set_committed, in event order
@@ -141,7 +141,7 @@ def test_apply_commit_matches_oracle(args):
         for blk in range(int(want_sp[i]) // P, -(-f // P)):
             want_pg[members[i, blk]] = min(P, f - blk * P)
         want_sp[i] = f
-    assert rk.apply_commit(bundles, frontiers, bundle_index, committed, members, pg) == -1
+    assert rk.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg) == -1
     assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
 
 
@@ -149,6 +149,18 @@ def test_apply_commit_of_an_unknown_seq_applies_nothing():
     committed = np.array([5], I64)
     pg = np.zeros(2, I64)
     bad = rk.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
-                          committed, np.array([[0, 1]], np.int32), pg)
+                          committed, np.array([2], I64), np.array([[0, 1]], np.int32), pg)
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
 
+
+
+def test_apply_commit_past_the_membership_applies_nothing() -> None:
+    """Review finding: the apply loop read the -1 fill past a space's membership and wrote
+    pg_committed[-1] (or the next space's row). A frontier outside [0, membership] is now a
+    damaged record: nothing applied, the caller asserts."""
+    committed = np.array([0, 0], I64)
+    members = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
+    pg = np.zeros(4, I64)
+    bad = rk.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
+                          np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg)
+    assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]

@@ -111,3 +111,32 @@ def test_an_unwritable_cache_dir_never_falls_back_beside_the_sources(tmp_path: P
     path, kernels = out.stdout.strip().splitlines()[-2:]
     assert not path.startswith(kernels) and "ninfer-kv-numba-" in path
     assert "jit.cache_unwritable" in out.stderr
+
+
+def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: engine/round_kernels.py and free_ids.py used numba's own cache beside
+    the sources (a read-only install could not even import the store), and the page size
+    they bake in from layout.py was not part of any staleness check."""
+    from ninfer_kv.engine import free_ids
+    from ninfer_kv.engine import round_kernels as rk
+
+    for f in (rk.resolve, rk.check_commit, rk.apply_commit, free_ids._flip, free_ids._lowest):
+        assert f._cache._cache_path.startswith(jit.cache_dir()), f
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    files = [engine / p.name for p in jit.ENGINE_KERNELS]
+    for src, dst in zip(jit.ENGINE_KERNELS, files, strict=True):
+        shutil.copy(src, dst)
+    monkeypatch.setenv("NINFER_KV_JIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit, "ENGINE_KERNELS", tuple(files))
+    jit.cache_dir.cache_clear()
+    try:
+        before = jit.cache_dir()
+        with (engine / "layout.py").open("a") as f:
+            f.write("\n# P changed\n")
+        jit.cache_dir.cache_clear()
+        after = jit.cache_dir()
+    finally:
+        jit.cache_dir.cache_clear()
+    assert before != after
