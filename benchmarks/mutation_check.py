@@ -160,7 +160,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/host.py", ["tests/engine/test_host_tier.py", *ENGINE], MACHINE),
     ("engine/restart.py", ["tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
                            *ENGINE], MACHINE),
-    ("engine/continuation.py", ["tests/engine/test_continuation.py", *ENGINE], MACHINE),
+    ("engine/continuation.py", ["tests/engine/test_continuation.py",
+                                "tests/engine/test_share_prefix.py", *ENGINE], MACHINE),
     ("engine/checked.py", ["tests/engine/test_trust_isolation.py",
                            "tests/kernels/test_store_kernels.py", *ENGINE], MACHINE),
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
@@ -473,9 +474,6 @@ def build(m: Mutant, module: ModuleType, tree: ast.Module, owner: Any) -> Any:
     unit = copy.deepcopy(_find_unit(tree, m.unit))
     rep = _Replace(m.key, m.replacement)
     unit = rep.visit(unit)
-    for d in unit.decorator_list:  # numba's cache is keyed by name: a mutant must not hit it
-        if isinstance(d, ast.Call):
-            d.keywords = [k for k in d.keywords if k.arg != "cache"]
     if not rep.done:
         raise RuntimeError(f"{m.id}: node {m.key} not found in {m.unit}")
     if "." in m.unit and any(isinstance(n, ast.Attribute) and n.attr.startswith("__")
@@ -487,9 +485,21 @@ def build(m: Mutant, module: ModuleType, tree: ast.Module, owner: Any) -> Any:
     code = compile(shell, module.__file__ or m.rel, "exec",
                    flags=future_flags.annotations.compiler_flag, dont_inherit=True)
     ns = vars(module)
-    exec(code, ns)  # defines only the factory; the function stays local to it
-    factory = ns.pop(FACTORY)
-    return factory(owner if "." in m.unit else None)
+    saved = ns.get("njit")
+    if saved is not None:  # a compiled kernel: numba's on-disk cache is keyed by name and line,
+        ns["njit"] = _uncached_njit  # so every mutant of a function would load the first one
+    try:
+        exec(code, ns)  # defines only the factory; the function stays local to it
+        factory = ns.pop(FACTORY)
+        return factory(owner if "." in m.unit else None)
+    finally:
+        if saved is not None:
+            ns["njit"] = saved
+
+
+def _uncached_njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    import numba
+    return numba.njit(**{**options, "cache": False})
 
 
 def install(m: Mutant, prefixes: Sequence[str] = (PACKAGE, "tests")) -> Callable[[], None]:

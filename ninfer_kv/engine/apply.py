@@ -283,6 +283,35 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     st.bundles[e.dst].parent = e.src
 
 
+def _share(st: StoreState, e: ev.Share) -> None:
+    """A running sequence's first ``full_pages`` pages become an inactive checkpoint's too:
+    shared, so immutable (no writer, every column protected, §9.4); the sequence keeps its
+    pages and appends above them, and may not truncate below them (its protected frontier)."""
+    pool = st.pools[e.pool]
+    src = pool.spaces[e.src]
+    assert src.active and e.full_pages * P <= src.committed, f"Share of {e.src} in {e.pool}"
+    shared = _members(pool, src)[:e.full_pages]
+    assert pool.pg_live[shared].all(), f"Share of {e.src}: a dead page in its membership"
+    np.add.at(pool.pg_refs, shared, 1)
+    pool.pg_writer[shared] = NO_PAGE
+    pool.pg_protected[shared] = P
+    src.protected = max(src.protected, e.full_pages * P)
+    dst = pool.spaces[e.dst] = KVAddressSpace(pool, e.dst, 0, NO_ROW)
+    dst.active = False
+    dst.members = shared
+    dst.committed = dst.protected = e.full_pages * P
+    b = st.bundles.get(e.dst)
+    if b is None:
+        b = st.bundles[e.dst] = SequenceKVBundle(e.dst, (e.pool,))
+        b.parent = e.src
+        b.finish_reason = "shared"
+        b.budget = e.full_pages * P
+    else:
+        b.pools = (*b.pools, e.pool)
+    if e.dst >= st.next_bundle:
+        st.next_bundle = e.dst + 1
+
+
 def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
     pool = st.pools[e.pool]
@@ -419,6 +448,7 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Release: _release,
     ev.Move: _move,
     ev.Fork: _fork,
+    ev.Share: _share,
     ev.CopyTail: _copy_tail,
     ev.HostConfigure: _host_configure,
     ev.HostReserve: _host_reserve,

@@ -10,6 +10,10 @@ or Fork from the real references (§7.3 last paragraph):
   partial tail's committed columns are copied into a private page (COW, §9.3) whose device copy
   runs at the boundary before the table publication.
 
+``share_prefix`` goes the other way: a *running* sequence's whole committed pages become a new
+inactive checkpoint (``Share``), which others Fork from while the owner keeps decoding above
+them (live prefix sharing).
+
 Planning walks the eight steps of §7.3 for every enabled pool before any event is emitted, so
 a failure at any step (including one injected through ``store.fault_hook``) leaves the prior
 state — digest, reservations, rows, pins — exactly as it was.
@@ -30,6 +34,7 @@ from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import (
     CapacityExhausted,
     FrontierError,
+    InactiveSpace,
     InvalidArgument,
     UnknownHandle,
     WritePermissionError,
@@ -184,6 +189,30 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             store.stats["cow_copies"] += isinstance(e, ev.CopyTail)
     for pool in plans:
         store._touch(pool, dst, 0)
+    return dst
+
+
+
+def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
+    """``KVStore.share_prefix``: validate, then one ``Share`` event per pool of the bundle."""
+    st = store.state
+    bundle = as_int("seq", bundle)
+    b = st.bundles.get(bundle)
+    if b is None or not b.active:
+        raise InactiveSpace(f"seq {bundle} is not an active sequence; share_prefix shares a "
+                            "running one (a finished one is a checkpoint already)")
+    spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
+    committed = min(sp.committed for sp in spaces.values())
+    f = committed if frontier is None else as_int("frontier", frontier, lo=0)
+    if f > committed:
+        per_pool = {pool: sp.committed for pool, sp in spaces.items()}
+        raise FrontierError(f"seq {bundle}: share_prefix frontier {f} beyond its committed "
+                            f"frontier {committed} (per pool: {per_pool})")
+    if f < P:
+        raise FrontierError(f"seq {bundle}: share_prefix frontier {f} holds no whole page "
+                            f"(P={P}); only full, committed pages are shared")
+    dst = st.next_bundle
+    store._emit(*(ev.Share(bundle, dst, pool, f // P) for pool in b.pools))
     return dst
 
 

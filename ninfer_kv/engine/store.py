@@ -260,6 +260,15 @@ class KVStore(StoreCore):
             checked.forget(self, pool, bundle)
         return bundle if retain else None
 
+    def share_prefix(self, bundle: int, frontier: int | None = None) -> int:
+        """Publish the first ``frontier`` tokens of running sequence ``bundle`` — whole pages
+        only: ``frontier // P`` of them, default its committed frontier — as a new inactive
+        checkpoint (returned), without finishing it. Other requests continue from it
+        (``activate_from``, a Fork) while the owner keeps decoding above it; the shared pages
+        are immutable from now on and the owner may not truncate below them (§9.2, §9.4)."""
+        self._usable("share_prefix")
+        return continuation.share_prefix(self, bundle, frontier)
+
     def release(self, checkpoint: int) -> None:
         """Drop a checkpoint's references; leases free with their last reference (§8.3). A
         page a queued copy still reads stays pinned until the boundary has run the copy."""

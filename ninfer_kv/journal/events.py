@@ -18,11 +18,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 5)
+SCHEMA: tuple[int, int] = (1, 6)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
 1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
 Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent; 1.5 added
-the SetMetadata tag (engine metadata of a sequence or checkpoint)."""
+the SetMetadata tag (engine metadata of a sequence or checkpoint); 1.6 added the Share tag
+(a running sequence's full-page prefix published as an inactive checkpoint)."""
 
 METADATA_MAX = 1 << 20
 """Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
@@ -203,6 +204,17 @@ class Move(_Event, tag="move"):
     frontier: int
 
 
+class Share(_Event, tag="share"):
+    """Inactive checkpoint ``dst`` gains an immutable reference to the first ``full_pages``
+    (fully committed) pages of active ``src``, which keeps running above them: the pages lose
+    their writer and become protected, and ``src`` may not truncate below them."""
+
+    src: int
+    dst: int
+    pool: str
+    full_pages: int
+
+
 class Fork(_Event, tag="fork"):
     """``dst`` gains an immutable reference to the first ``full_pages`` pages of ``src``."""
 
@@ -308,7 +320,7 @@ class Unpin(_Event, tag="unpin"):
 
 
 Event = (Configure | Recovered | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
-         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | CopyTail | HostConfigure
+         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | Share | CopyTail | HostConfigure
          | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore | Pin
          | Unpin | SetMetadata)
 

@@ -71,6 +71,14 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     s.finish(c)                                    # Finish without retain: frees its tail
     s.release(ck)
     _step(s)
+    e = s.activate(130, 10)
+    for pool in s.pools:
+        s.ensure_mapped(e, pool, 130)
+    _step(s)
+    for pool in s.pools:
+        s.commit(e, pool, 130)
+    s.share_prefix(e)                              # Share (2 whole pages; e runs on)
+    _step(s)
     s.offload(s.finish(d, retain=True))
     s._append_pending()
     crash(s)

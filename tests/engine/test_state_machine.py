@@ -221,6 +221,17 @@ class StoreMachine(RuleBasedStateMachine):
         self.attempt("finish", self.store.finish, data.draw(st.sampled_from(self.actives)),
                      retain=retain)
 
+    @precondition(lambda self: self.store.active())
+    @rule(data=st.data(), frac=st.floats(0, 1))
+    def share_prefix(self, data, frac: float) -> None:  # noqa: ANN001
+        """Live sharing: a running sequence's whole committed pages become a checkpoint."""
+        b = data.draw(st.sampled_from(self.actives))
+        f = int(min(self.store.space(b, p).committed for p in self.pools) * frac)
+        ck = self.attempt("share_prefix", self.store.share_prefix, b, f)
+        if ck is not None:
+            for p in self.pools:
+                self.content[(ck, p)] = self.content[(b, p)][:f // P * P]
+
     @precondition(lambda self: self.store.checkpoints())
     @rule(data=st.data())
     def release(self, data) -> None:  # noqa: ANN001
@@ -341,11 +352,11 @@ class DflashMachine(StoreMachine):
 EVERY = ("activate", "ensure_mapped_many", "commit_many", "ensure_mapped", "set_provisional",
          "trim", "truncate", "finish", "release", "activate_from", "offload", "drop_device",
          "drop_host", "grow", "boundary", "snapshot", "compact", "reopen", "crash",
-         "continue_host_only_move", "continue_host_only_fork")
+         "continue_host_only_move", "continue_host_only_fork", "share_prefix")
 
 
 @pytest.mark.parametrize("machine,examples,min_steps", [
-    (StoreMachine, 120, 5000), (MtpMachine, 70, 2500), (DflashMachine, 70, 2500)])
+    (StoreMachine, 120, 5000), (MtpMachine, 70, 2500), (DflashMachine, 80, 2500)])
 def test_store_machine(machine: type[StoreMachine], examples: int, min_steps: int) -> None:
     """>= 10,000 steps over the three machines in each CI run; every command really ran."""
     StoreMachine.total_steps = 0
