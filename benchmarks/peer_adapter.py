@@ -53,3 +53,36 @@ class NinferArrays(NinferAdapter):
 class NinferArraysNoJournal(NinferArrays):
     name = "ninfer-nj-arr"
     journal = False
+
+
+class NinferSharing(NinferArrays):
+    """Live prefix sharing, as vLLM and SGLang cache the prompt blocks of *running* requests.
+    The prompt is prefilled in its own unit at admission (a prefill step: boundary, unit,
+    commit of the prompt), then its whole prompt pages become a checkpoint (``share_prefix``)
+    indexed by their block hashes — so the next request of the same admission wave already
+    Forks from it, as in vLLM, where blocks are cached when they are scheduled. Only prompts
+    that add blocks beyond their own hit are shared; shared checkpoints are LRU-evicted on
+    demand like the retained ones. The extra boundary per admission is charged to admit."""
+
+    name = "ninfer-j-share"
+
+    def __init__(self, pool_tokens: int, page_size: int, max_len: int) -> None:
+        super().__init__(pool_tokens, page_size, max_len)
+        self.shared = 0
+
+    def admit(self, request_id: int, prompt_len: int, prompt_tokens: object = None) -> bool:
+        hit0 = self.hit_tokens
+        if not super().admit(request_id, prompt_len, prompt_tokens):
+            return False
+        store, seq = self.store, int(self.seq_of[request_id])
+        store.close_boundary()     # the prefill unit ran between these two
+        store.unit_complete()
+        store.commit(seq, "main", prompt_len)
+        hs = self.hashes[request_id]
+        if len(hs) > (self.hit_tokens - hit0) // 64:  # adds blocks nobody indexed yet
+            ck = store.share_prefix(seq, len(hs) * 64)
+            self.lru[ck] = hs
+            for h in hs:
+                self.index[h] = ck
+            self.shared += 1
+        return True

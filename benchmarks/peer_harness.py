@@ -25,7 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = ("ref-paged", "vllm", "nano", "sglang-paged-b", "sglang-token-b")
 OURS = ("ninfer_adapter:NinferAdapter", "ninfer_adapter:NinferNoJournal",
-        "peer_adapter:NinferArrays", "peer_adapter:NinferArraysNoJournal")
+        "peer_adapter:NinferArrays", "peer_adapter:NinferArraysNoJournal",
+        "peer_adapter:NinferSharing")
 
 
 def main() -> int:
