@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ninfer_kv.engine.args import as_int
-from ninfer_kv.engine.layout import P, PoolKind, ceil_div
+from ninfer_kv.engine.layout import P, PoolKind
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
 
@@ -34,40 +36,43 @@ class GrowResult:
 
 
 def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
+    """One call per decode round; array operations over the active sequences of each pool
+    (bundle order, so the pool's availability is granted first come, first served)."""
     step_tokens = as_int("step_tokens", step_tokens, lo=1)
     cfg = store.config
     st = store.state
     res = GrowResult()
     lead_mtp = cfg.serving.draft_window - 1
-    active = sorted(b for b, x in st.bundles.items() if x.active)
     events = []
     covers: dict[int, int] = {}
+    ids = budget = None
     for name in store.pools:
         pool = st.pools[name]
+        if ids is None:  # the active bundles, ascending (every pool holds a space of each)
+            bi = pool.bundle_index
+            ids = np.flatnonzero(bi >= 0)
+            ids = ids[pool.sp_active[bi[ids]]]
+            budget = np.fromiter((st.bundles[b].budget or store.plan.S for b in ids.tolist()),
+                                 np.int64, len(ids))
+        idx = pool.bundle_index[ids]
         lead = lead_mtp if name == PoolKind.MTP.value else 0
-        available = pool.available
-        ids: list[int] = []
-        adds: list[int] = []
-        for b in active:
-            sp = pool.spaces[b]
-            budget = st.bundles[b].budget or store.plan.S
-            target = min(budget, sp.committed + cfg.lease_window + cfg.lease_cushion) + lead
-            want = min(pool.logical_pages, ceil_div(target, P)) - sp.entitlement
-            got = max(0, min(want, available))
-            if got:
-                ids.append(b)
-                adds.append(got)
-                available -= got
-            ent = sp.entitlement + got
-            # §6.2: the cushion is held back — the step about to launch plus one forced
-            # control span must already be covered, not merely the step
-            need = min(min(budget, sp.committed + step_tokens + cfg.lease_cushion) + lead,
-                       pool.logical_pages * P)  # nothing is entitled past L pages
-            if ceil_div(need, P) > ent:  # the step and its cushion would not be covered
-                covers[b] = min(covers.get(b, 1 << 62), max(sp.committed, ent * P - lead))
-        if ids:
-            events.append(ev.Grow(name, pack(ids), pack(adds)))
-            res.granted[name] = sum(adds)
+        committed, ent = pool.sp_committed[idx], pool.sp_entitlement[idx]
+        target = np.minimum(budget, committed + cfg.lease_window + cfg.lease_cushion) + lead
+        want = np.maximum(np.minimum(pool.logical_pages, -(-target // P)) - ent, 0)
+        before = np.cumsum(want) - want          # granted to earlier sequences, if all fit
+        got = np.clip(pool.available - before, 0, want)
+        ent = ent + got
+        # §6.2: the cushion is held back — the step about to launch plus one forced control
+        # span must already be covered, not merely the step
+        need = np.minimum(np.minimum(budget, committed + step_tokens + cfg.lease_cushion) + lead,
+                          pool.logical_pages * P)  # nothing is entitled past L pages
+        short = -(-need // P) > ent               # the step and its cushion would not fit
+        for b, c in zip(ids[short].tolist(), np.maximum(committed, ent * P - lead)[short].tolist(),
+                        strict=True):
+            covers[b] = min(covers.get(b, 1 << 62), c)
+        if got.any():
+            events.append(ev.Grow(name, pack(ids[got > 0]), pack(got[got > 0])))
+            res.granted[name] = int(got.sum())
     if events:
         store._emit(*events)
     res.exhausted = covers
