@@ -13,8 +13,14 @@ only inside the harness venv (it imports ``peer_bench`` and ``ninfer_adapter``).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+
 import numpy as np
-from ninfer_adapter import NinferAdapter  # type: ignore[import-not-found]
+from ninfer_adapter import MAX_OUT, NinferAdapter  # type: ignore[import-not-found]
+
+from ninfer_kv import KVStore
 
 
 class NinferArrays(NinferAdapter):
@@ -69,11 +75,55 @@ class NinferSharing(NinferArrays):
     def __init__(self, pool_tokens: int, page_size: int, max_len: int) -> None:
         super().__init__(pool_tokens, page_size, max_len)
         self.shared = 0
+        self.holders: dict[int, list[int]] = {}  # block hash -> checkpoints holding it
+        self._need = 0  # pages the admission being tried needs at most (0: not admitting)
+
+    def _indexed(self, ck: int, hs: list[int]) -> None:
+        """``ck`` holds blocks ``hs``: the newest holder serves lookups; older ones stay
+        listed, so evicting the newest re-points the hash instead of forgetting the prefix."""
+        self.lru[ck] = hs
+        for h in hs:
+            self.holders.setdefault(h, []).append(ck)
+            self.index[h] = ck
+
+    def _evict_one(self) -> bool:
+        """Release the least recently used checkpoint — unless releasing every checkpoint
+        could not make room for the admission being tried (then the cache is kept and the
+        request waits, instead of emptying the cache for nothing)."""
+        if not self.lru:
+            return False
+        if self._need:
+            occ = self.store.occupancy()["main"]
+            if occ["available"] + occ["checkpoint_only"] < self._need:
+                return False
+        ck, hs = self.lru.popitem(last=False)
+        for h in hs:
+            held = self.holders[h]
+            held.remove(ck)
+            if held:
+                self.index[h] = held[-1]
+            else:
+                del self.holders[h]
+                self.index.pop(h, None)
+        self.store.release(ck)
+        self.evictions += 1
+        return True
+
+    def free(self, request_id: int) -> None:
+        super().free(request_id)  # finish(retain=True): indexed by the harness adapter ...
+        if self.prefix:
+            ck, hs = next(reversed(self.lru.items()))
+            del self.lru[ck]
+            self._indexed(ck, hs)  # ... and listed as a holder here
 
     def admit(self, request_id: int, prompt_len: int, prompt_tokens: object = None) -> bool:
         hit0 = self.hit_tokens
-        if not super().admit(request_id, prompt_len, prompt_tokens):
-            return False
+        self._need = self.store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT)
+        try:
+            if not super().admit(request_id, prompt_len, prompt_tokens):
+                return False
+        finally:
+            self._need = 0
         store, seq = self.store, int(self.seq_of[request_id])
         store.close_boundary()     # the prefill unit ran between these two
         store.unit_complete()
@@ -81,8 +131,46 @@ class NinferSharing(NinferArrays):
         hs = self.hashes[request_id]
         if len(hs) > (self.hit_tokens - hit0) // 64:  # adds blocks nobody indexed yet
             ck = store.share_prefix(seq, len(hs) * 64)
-            self.lru[ck] = hs
-            for h in hs:
-                self.index[h] = ck
+            self._indexed(ck, hs)
             self.shared += 1
         return True
+
+
+class NinferGrowth(NinferSharing):
+    """``NinferSharing`` with kv_lease_growth (spec §6.2) instead of reserving every request's
+    whole prompt + max_tokens budget: a sequence is entitled its frontier + ``WINDOW`` +
+    cushion, ``grow`` tops entitlements up every ``EVERY`` rounds (evicting retained or
+    shared checkpoints, LRU, while a sequence is short), and a sequence the pool still cannot
+    extend is reported back to the harness as not stepped — which preempts the most recently
+    admitted request, as vLLM does. A preempted request is finished *retained*:
+    its KV stays as a checkpoint (LRU-evictable), and its re-admission Forks from it."""
+
+    name = "ninfer-j-grow"
+    WINDOW = 512
+    EVERY = 64   # rounds between grows (< WINDOW: a window never runs dry between them)
+
+    def __init__(self, pool_tokens: int, page_size: int, max_len: int) -> None:
+        super().__init__(pool_tokens, page_size, max_len)
+        cfg = self.store.config
+        self.store.close()
+        if self.jdir is not None:
+            shutil.rmtree(self.jdir, ignore_errors=True)
+            os.makedirs(self.jdir)
+        self.store = KVStore.open(dataclasses.replace(
+            cfg, lease_growth=True, lease_window=self.WINDOW, lease_cushion=64))
+        self.rounds = 0
+
+    def step_batch(self, request_ids: list[int]) -> list[bool]:
+        ok = [True] * len(request_ids)
+        if self.rounds % self.EVERY == 0 or len(request_ids) == 1:  # 1: a retry after preemption
+            res = self.store.grow(1)
+            while res.exhausted and self._evict_one():  # cached prefixes go before requests
+                res = self.store.grow(1)
+            if res.exhausted:
+                seqs = self.seq_of[np.array(request_ids, dtype=np.int64)].tolist()
+                ok = [s not in res.exhausted for s in seqs]
+                request_ids = [r for r, k in zip(request_ids, ok, strict=True) if k]
+        self.rounds += 1
+        if request_ids:
+            NinferArrays.step_batch(self, request_ids)
+        return ok

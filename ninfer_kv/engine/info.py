@@ -13,6 +13,7 @@ import msgspec
 from ninfer_kv.engine import host
 from ninfer_kv.engine.continuation import unrecoverable_reason
 from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import UnknownHandle
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ class StoreMetrics:
     published: int          # host transfers published (verified, durable)
     active: int             # active sequences
     checkpoints: int        # inactive checkpoints
-    pools: dict[str, dict[str, int]]   # capacity, allocated, reserved, available, rows_leased
+    pools: dict[str, dict[str, int]]   # capacity, allocated, reserved, available, rows_leased,
+    # checkpoint_only: device pages no active sequence maps (what releasing or demoting every
+    # checkpoint would free at most: a retention policy's bound before it evicts anything)
     host_capacity: int      # host arena bytes (0: no host tier)
     host_used: int
     journal_seq: int        # last journal record (0 without a journal)
@@ -95,11 +98,18 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
                           msgspec.msgpack.decode(b.meta) if b.meta else None)
 
 
+def checkpoint_only_pages(p: PoolState) -> int:
+    """Device pages of ``p`` held only by inactive checkpoints (no active membership)."""
+    live = p.pg_live[:p.n_slots]
+    return int((live & (p.pg_active[:p.n_slots] == 0) & (p.pg_device[:p.n_slots] != NO_PAGE)).sum())
+
+
 def metrics(store: Txn) -> StoreMetrics:
     st, s = store.state, store.stats
     active = sum(1 for b in st.bundles.values() if b.active)
     pools = {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
-                 "available": p.available, "rows_leased": len(p.row_owner)}
+                 "available": p.available, "rows_leased": len(p.row_owner),
+                 "checkpoint_only": checkpoint_only_pages(p)}
              for n, p in st.pools.items()}
     j = store.journal
     return StoreMetrics(s["records"], s["events"], s["materialized"], s["cow_copies"],

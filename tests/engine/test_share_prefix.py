@@ -150,3 +150,21 @@ def test_a_shared_checkpoint_on_the_device_only_does_not_survive_a_restart(
     s2.check_invariants()
     assert not s2.state.bundles
     s2.close()
+
+
+def test_occupancy_counts_the_pages_only_checkpoints_hold(tmp_path: Path) -> None:
+    """``checkpoint_only``: what releasing every checkpoint could free at most — a page an
+    active sequence maps (a shared prefix, a Fork) is not in it."""
+    s = KVStore.open(small_config(tmp_path))
+    a = running(s, 2 * P + 5)
+    assert s.occupancy()["main"]["checkpoint_only"] == 0
+    ck = s.share_prefix(a)
+    step(s)
+    assert s.occupancy()["main"]["checkpoint_only"] == 0   # the owner still maps them
+    s.finish(a)
+    step(s)
+    assert s.occupancy()["main"]["checkpoint_only"] == 2
+    s.activate_from(ck, P, P + 1, 10)                     # a Fork maps the first one again
+    step(s)
+    assert s.occupancy()["main"]["checkpoint_only"] == 1
+    s.close()

@@ -35,7 +35,7 @@ def test_activate_reserves_entitlement_and_leases_row(make_store: MakeStore) -> 
     a = s.activate(100, 100)  # 200 tokens -> 4 pages
     occ = s.occupancy()["main"]
     assert occ == {"capacity": 64, "allocated": 0, "reserved": 4, "available": 60,
-                   "rows_leased": 1}
+                   "rows_leased": 1, "checkpoint_only": 0}
     sp = s.space(a)
     assert sp.entitlement == 4 and sp.reserved == 4 and sp.row == 0 and sp.active
     step(s)
