@@ -103,29 +103,27 @@ class FreeIds:
 
     # --- changing --------------------------------------------------------------------------------
     def take(self, ids: np.ndarray | list[int]) -> None:
-        """``ids`` are no longer free; ``ValueError`` (and no change) if one is not free or
-        appears twice."""
-        if not len(ids):
-            return
-        ids = np.asarray(ids, np.int64)
-        j = _flip(self.bits, ids, True)
-        if j >= 0:
-            raise ValueError(f"take of id {int(ids[j])} (index {j}), which is not free (or "
-                             f"appears twice, or lies outside [0, {len(self.bits)}))")
+        """``ids`` are no longer free; ``ValueError`` (and no change) if one is not free,
+        appears twice or lies outside the id space."""
+        ids = self._change(ids, True, "which is not free")
         self.n -= len(ids)
 
     def give(self, ids: np.ndarray | list[int]) -> None:
         """``ids`` become free; ``ValueError`` (and no change) if one already is, appears
         twice or lies outside the id space."""
-        if not len(ids):
-            return
-        ids = np.asarray(ids, np.int64)
-        j = _flip(self.bits, ids, False)
-        if j >= 0:
-            raise ValueError(f"give of id {int(ids[j])} (index {j}), which is already free (or "
-                             f"appears twice, or lies outside [0, {len(self.bits)}))")
+        ids = self._change(ids, False, "which is already free")
         self.n += len(ids)
-        self.lo = min(self.lo, int(ids.min()))
+        if len(ids):
+            self.lo = min(self.lo, int(ids.min()))
+
+    def _change(self, ids: np.ndarray | list[int], free: bool, why: str) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        j = _flip(self.bits, ids, free) if len(ids) else -1
+        if j >= 0:
+            verb = "take" if free else "give"
+            raise ValueError(f"{verb} of id {int(ids[j])} (index {j}), {why} (or appears twice, "
+                             f"or lies outside [0, {len(self.bits)}))")
+        return ids
 
     def add(self, i: int) -> None:
         self.give([i])

@@ -56,7 +56,8 @@ def page_bytes(s: KVStore, pool: str, page: int) -> list[torch.Tensor]:
     return [(t[:, page] if hm else t[page]).clone() for layer in pd.planes for t in layer.values()]
 
 
-def checkpoint_at(s: KVStore, tokens: int, out: int = 100) -> int:
+def running(s: KVStore, tokens: int, out: int = 200) -> int:
+    """A sequence with ``tokens`` tokens written and committed in every pool."""
     a = s.activate(tokens, out)
     for pool in s.pools:
         s.ensure_mapped(a, pool, tokens)
@@ -64,6 +65,11 @@ def checkpoint_at(s: KVStore, tokens: int, out: int = 100) -> int:
     for pool in s.pools:
         write_tokens(s, a, pool, 0, tokens)
         s.commit(a, pool, tokens)
+    return a
+
+
+def checkpoint_at(s: KVStore, tokens: int, out: int = 100) -> int:
+    a = running(s, tokens, out)
     ck = s.finish(a, retain=True)
     step(s)
     assert ck is not None

@@ -20,19 +20,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.replay import replay
 from tests.engine.conftest import assert_refusals_change_nothing, small_config
-from tests.engine.test_continuation import step, write_tokens
-
-
-def running(s: KVStore, tokens: int, out: int = 200) -> int:
-    """A sequence with ``tokens`` tokens written and committed in every pool."""
-    a = s.activate(tokens, out)
-    for pool in s.pools:
-        s.ensure_mapped(a, pool, tokens)
-    step(s)
-    for pool in s.pools:
-        write_tokens(s, a, pool, 0, tokens)
-        s.commit(a, pool, tokens)
-    return a
+from tests.engine.test_continuation import running, step, write_tokens
 
 
 def decode(s: KVStore, seq: int, start: int, end: int) -> None:

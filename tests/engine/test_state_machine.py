@@ -356,7 +356,7 @@ EVERY = ("activate", "ensure_mapped_many", "commit_many", "ensure_mapped", "set_
 
 
 @pytest.mark.parametrize("machine,examples,min_steps", [
-    (StoreMachine, 120, 5000), (MtpMachine, 70, 2500), (DflashMachine, 80, 2500)])
+    (StoreMachine, 140, 5000), (MtpMachine, 70, 2500), (DflashMachine, 80, 2500)])
 def test_store_machine(machine: type[StoreMachine], examples: int, min_steps: int) -> None:
     """>= 10,000 steps over the three machines in each CI run; every command really ran."""
     StoreMachine.total_steps = 0
