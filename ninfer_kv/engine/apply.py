@@ -303,8 +303,8 @@ def _share(st: StoreState, e: ev.Share) -> None:
     b = st.bundles.get(e.dst)
     if b is None:
         b = st.bundles[e.dst] = SequenceKVBundle(e.dst, (e.pool,))
-        b.parent = e.src
-        b.finish_reason = "shared"
+        b.finish_reason = "shared"  # no parent: nothing was continued (the owner is a prefix's
+        # superset, and retention evicts leaves before parents)
         b.budget = e.full_pages * P
     else:
         b.pools = (*b.pools, e.pool)

@@ -264,14 +264,16 @@ def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
                "block_hashes": [block_hash(e.pool, s, pool.gens[s])
                                 for s in ev.unpack(e.slots).tolist()]}
     apply(st, e)
-    if isinstance(e, ev.Finish) and e.retain:
+    stored = e.bundle if isinstance(e, ev.Finish) and e.retain else (
+        e.dst if isinstance(e, ev.Share) else None)  # a retained or a live-shared checkpoint
+    if stored is not None:
         p = st.pools[e.pool]
-        members = p.spaces[e.bundle].members
+        members = p.spaces[stored].members
         hashes = [block_hash(e.pool, s, p.gens[s]) for s in members]
         if hashes:
             yield {"record": seq, "type": "BlockStored", "medium": "GPU",
                    "block_hashes": hashes, "parent_block_hash": None,
-                   "block_size": 64, "token_count": p.spaces[e.bundle].committed}
+                   "block_size": 64, "token_count": p.spaces[stored].committed}
     if before:
         pool = st.pools[e.pool]
         gone = [block_hash(name, slot, gen) for (name, slot), gen in before.items()

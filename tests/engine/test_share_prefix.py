@@ -156,3 +156,21 @@ def test_occupancy_counts_the_pages_only_checkpoints_hold(tmp_path: Path) -> Non
     step(s)
     assert s.occupancy()["main"]["checkpoint_only"] == 1
     s.close()
+
+
+def test_a_shared_prefix_is_announced_and_has_no_parent(tmp_path: Path) -> None:
+    """Review findings: routers reading the KV-event stream must learn of a live-shared
+    prefix (BlockStored, as for a retained finish), and a shared checkpoint continued
+    nothing, so it names no parent (retention evicts leaves before their parents)."""
+    from ninfer_kv.tools.journal_cmds import block_hash, kv_events
+
+    s = KVStore.open(small_config(tmp_path))
+    a = running(s, 2 * P + 5)
+    ck = s.share_prefix(a)
+    step(s)
+    assert s.checkpoint_info(ck).parent is None
+    p = s.state.pools["main"]
+    want = [block_hash("main", x, p.gens[x]) for x in s.space(ck, "main").members]
+    s.close()
+    stored = [i for i in kv_events(str(tmp_path / "journal")) if i["type"] == "BlockStored"]
+    assert any(i["block_hashes"] == want and i["token_count"] == 2 * P for i in stored)
