@@ -334,12 +334,15 @@ class SharingMachine(StoreMachine):
     """The base machine plus live prefix sharing. (A machine of its own: a new rule changes a
     derandomized machine's whole trajectory and the coverage its budget buys.)"""
 
-    @precondition(lambda self: self.store.active())
+    def committed(self, b: int) -> int:
+        return min(self.store.space(b, p).committed for p in self.pools)
+
+    @precondition(lambda self: any(self.committed(b) >= P for b in self.store.active()))
     @rule(data=st.data(), frac=st.floats(0, 1))
     def share_prefix(self, data, frac: float) -> None:  # noqa: ANN001
         """Live sharing: a running sequence's whole committed pages become a checkpoint."""
-        b = data.draw(st.sampled_from(self.actives))
-        f = int(min(self.store.space(b, p).committed for p in self.pools) * frac)
+        b = data.draw(st.sampled_from([b for b in self.actives if self.committed(b) >= P]))
+        f = P + int((self.committed(b) - P) * frac)
         ck = self.attempt("share_prefix", self.store.share_prefix, b, f)
         if ck is not None:
             for p in self.pools:
