@@ -71,9 +71,11 @@ def batch(bundles: Sequence[int] | np.ndarray, bname: str, values: Sequence[int]
 
 
 def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
-    """§9.4 write permission, the one rule commit and truncate share: ``bundle`` is the
-    page's single writer, no pin holds it (no queued copy reads it) and no surviving
-    checkpoint protects a column at or above ``first_column``."""
+    """§9.4 write permission: ``bundle`` is the page's single writer, no pin holds it (no
+    queued copy reads it) and no surviving checkpoint protects a column at or above
+    ``first_column``. Truncate checks it here; commit_many checks the same rule for a whole
+    batch in ``round_kernels.check_commit`` (tests/engine/test_round_kernels.py holds both to
+    one oracle)."""
     return pg.writer == bundle and pg.pins == 0 and pg.protected <= first_column
 
 

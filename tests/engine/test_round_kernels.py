@@ -3,11 +3,14 @@ written from the rules they implement (§8.1, §8.2, §9.4), on random pool arra
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
 
 I64 = np.int64
@@ -115,7 +118,8 @@ def oracle_check_commit(bundles, idx, frontiers, committed, nmem, members, write
         for blk in range(old // P, -(-f // P)):
             first = old - blk * P if blk == old // P else 0
             s = members[i, blk]
-            if not (writer[s] == bundles[j] and pins[s] == 0 and protected[s] <= first):
+            page = SimpleNamespace(writer=writer[s], pins=pins[s], protected=protected[s])
+            if not writable(page, bundles[j], first):  # the rule truncate checks
                 return rk.WRITE, j, blk
     return rk.OK, -1, -1
 
