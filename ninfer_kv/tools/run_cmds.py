@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--mtp", action="store_true", help="MTP speculation (draft window 4)")
     p.add_argument("--accept-rate", type=fraction, default=0.7)
     p.add_argument("--offload", action="store_true", help="host tier: offload + demote")
+    p.add_argument("--share", action="store_true",
+                   help="live prefix sharing: share each prompt's whole blocks at prefill")
     p.add_argument("--host-bytes", type=non_negative, default=1 << 30)
     p.add_argument("--scale", type=positive, default=1, help="divide lengths by this")
     p.add_argument("--tp", type=positive, default=1,
@@ -52,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
 def sim_options(a: argparse.Namespace) -> SimOptions:
     return SimOptions(max_concurrency=a.max_concurrency, max_context=a.max_context,
                       kv_tokens=a.kv_tokens, mtp=a.mtp, accept_rate=a.accept_rate,
-                      offload=a.offload, host_bytes=a.host_bytes, seed=a.seed,
+                      offload=a.offload, share=a.share, host_bytes=a.host_bytes, seed=a.seed,
                       journal_dir=a.journal, scale=a.scale)
 
 

@@ -75,6 +75,7 @@ class SimOptions:
     draft_window: int = 4
     accept_rate: float = 0.7
     offload: bool = False
+    share: bool = False  # live sharing: a prompt's whole blocks become a checkpoint at prefill
     host_bytes: int = 1 << 30
     round_ms: float = 25.0
     seed: int = 0
@@ -239,6 +240,8 @@ def simulate(requests: list[Request], opts: SimOptions,
                     _unit_wrote(store, pool, r.seq, r.req.prompt)
                 timed(store.commit, r.seq, pool, r.req.prompt)
             r.frontier = r.req.prompt
+            if opts.share:
+                _share(store, r, cache, timed, HASH_BLOCK // max(1, opts.scale))
         done = []
         for r in steps:
             acc = 1 if k == 1 else min(k, 1 + sum(rng.random() < opts.accept_rate
@@ -325,6 +328,19 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
         seen.update(req.hash_ids)
         frontier = store.space(seq).committed
         return _Running(req, seq, frontier, req.prompt + req.output, ck)
+
+
+def _share(store: KVStore, r: _Running, cache: LruRetention, timed: Callable[..., Any],
+           block: int) -> None:
+    """Live sharing (``share_prefix``): the prompt's whole hash blocks (at least one token
+    left to compute the first logits from, as for a hit) become a checkpoint that requests
+    arriving while ``r`` decodes continue from — when they add blocks nobody holds yet."""
+    n = min(len(r.req.hash_ids), (r.req.prompt - 1) // block)
+    have = cache.lookup(r.req.hash_ids[:n])[1] if n else 0
+    if n * block < P or n <= have:
+        return
+    ck = timed(store.share_prefix, r.seq, n * block)
+    cache.retain(ck, r.req.hash_ids[:n])
 
 
 def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
