@@ -106,10 +106,6 @@ class PageTable:
         return (LogicalKVPage(p, s) if live else None
                 for s, live in enumerate(p.pg_live[:p.n_slots].tolist()))
 
-    def live(self) -> list[int]:
-        """The slots that hold a page, ascending."""
-        return np.flatnonzero(self._p.pg_live[:self._p.n_slots]).tolist()
-
 
 class GenTable:
     """``PoolState.gens``: slot -> generation (as int), for live and free slots."""
