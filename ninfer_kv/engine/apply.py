@@ -17,7 +17,8 @@ from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.page_life import I64, collect, members_of, new_page, new_pages, unref
+from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
@@ -32,77 +33,6 @@ def apply_all(st: StoreState, events: list[Any]) -> None:
     h = _HANDLERS
     for e in events:
         h[type(e)](st, e)
-
-
-# --- helpers ------------------------------------------------------------------------------------
-I64 = np.int64
-
-
-def _new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
-    """One fresh page in a free (or the next never-used) slot, holding ``device``."""
-    if slot != pool.n_slots:
-        pool.free_slots.take([slot])  # ValueError: neither free nor the next slot
-    pool.ensure_slot(slot)
-    assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
-    if device != NO_PAGE:
-        pool.free_pages.take([device])
-    pool.init_pages([slot], [device], writer, True)
-    return LogicalKVPage(pool, slot)
-
-
-def _new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
-               ) -> None:
-    """``_new_page`` for a batch, as arrays. Slots are reused ones (lowest free first) then
-    fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
-    by one."""
-    sl = slots.tolist()
-    n_old = pool.n_slots
-    reused = [s for s in sl if s < n_old]
-    fresh = sl[len(reused):]
-    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
-        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
-            _new_page(pool, s, d, w)
-        return
-    assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"
-    pool.free_slots.take(reused)
-    pool.free_pages.take(devs[devs != NO_PAGE])
-    pool.init_pages(slots, devs, writers, True)
-
-
-def _collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
-    """Of ``slots``, the pages with no reference and no pin are garbage: free their device
-    and host replicas and recycle the slots, advancing their generations (§5.3)."""
-    dead = rk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
-    if not len(dead):
-        return
-    assert pool.pg_live[dead].all(), f"{pool.name}: freeing free slots {dead.tolist()}"
-    dev = pool.pg_device[dead]
-    pool.free_pages.give(dev[dev != NO_PAGE])
-    pool.pg_device[dead] = NO_PAGE
-    if pool.host_of:
-        for s in dead.tolist():
-            h = pool.host_of.pop(s, None)
-            if h is not None:
-                st.host.free(h[0])  # type: ignore[union-attr]
-    pool.pg_live[dead] = False
-    pool.pg_gen[dead] += 1
-    pool.free_slots.give(dead)
-
-
-def _unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
-           active: bool) -> None:
-    """``bundle``'s space drops its references to ``slots`` (an active space also its
-    writer right); pages left without references are collected."""
-    slots = np.asarray(slots, I64)
-    np.subtract.at(pool.pg_refs, slots, 1)
-    if active:
-        np.subtract.at(pool.pg_active, slots, 1)
-        pool.pg_writer[slots[pool.pg_writer[slots] == bundle]] = NO_PAGE
-    _collect(st, pool, slots)
-
-
-def _members(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
-    return pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
 
 
 # --- handlers -----------------------------------------------------------------------------------
@@ -145,7 +75,7 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     assert b.min() >= 0 and b.max() < len(pool.bundle_index), f"Materialize in {e.pool}: {b}"
     idx = pool.bundle_index[b]
     assert (idx >= 0).all(), f"Materialize for a seq without a space in {e.pool}: {b}"
-    _new_pages(pool, slots, devs, b)
+    new_pages(pool, slots, devs, b)
     pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)
@@ -188,7 +118,7 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
     dropped = sp.trim_members(e.keep)
-    _unref(st, pool, dropped, e.bundle, sp.active)
+    unref(st, pool, dropped, e.bundle, sp.active)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
 
@@ -212,7 +142,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle = st.bundles[e.bundle]
     bundle.active = False
     bundle.finish_reason = e.reason
-    slots = _members(pool, sp)
+    slots = members_of(pool, sp)
     if e.retain:
         np.subtract.at(pool.pg_active, slots, 1)
         pool.pg_writer[slots[pool.pg_writer[slots] == e.bundle]] = NO_PAGE
@@ -221,7 +151,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
         cols = np.minimum(P, sp.committed - P * np.arange(len(slots), dtype=I64))
         np.maximum.at(pool.pg_protected, slots, cols)  # coverage only grows
     else:
-        _unref(st, pool, slots, e.bundle, True)
+        unref(st, pool, slots, e.bundle, True)
         _drop_space(st, pool, e.bundle)
 
 
@@ -235,7 +165,7 @@ def _drop_space(st: StoreState, pool: PoolState, bundle: int) -> None:
 
 def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
-    _unref(st, pool, _members(pool, pool.spaces[e.bundle]), e.bundle, False)
+    unref(st, pool, members_of(pool, pool.spaces[e.bundle]), e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
 
@@ -246,8 +176,8 @@ def _move(st: StoreState, e: ev.Move) -> None:
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
     keep = (e.frontier + P - 1) // P
-    members = _members(pool, src)
-    _unref(st, pool, members[keep:], e.src, False)
+    members = members_of(pool, src)
+    unref(st, pool, members[keep:], e.src, False)
     kept = members[:keep]
     assert pool.pg_live[kept].all(), f"Move of {e.src}: a dead page in its membership"
     dst.members = kept
@@ -271,7 +201,7 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    shared = _members(pool, src)[:e.full_pages]
+    shared = members_of(pool, src)[:e.full_pages]
     assert pool.pg_live[shared].all(), f"Fork of {e.src}: a dead page in its membership"
     np.add.at(pool.pg_refs, shared, 1)
     np.add.at(pool.pg_active, shared, 1)
@@ -290,7 +220,7 @@ def _share(st: StoreState, e: ev.Share) -> None:
     pool = st.pools[e.pool]
     src = pool.spaces[e.src]
     assert src.active and e.full_pages * P <= src.committed, f"Share of {e.src} in {e.pool}"
-    shared = _members(pool, src)[:e.full_pages]
+    shared = members_of(pool, src)[:e.full_pages]
     assert pool.pg_live[shared].all(), f"Share of {e.src}: a dead page in its membership"
     np.add.at(pool.pg_refs, shared, 1)
     pool.pg_writer[shared] = NO_PAGE
@@ -316,7 +246,7 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
     pool = st.pools[e.pool]
     dst = pool.spaces[e.dst]
-    page = _new_page(pool, e.slot, e.page, e.dst)
+    page = new_page(pool, e.slot, e.page, e.dst)
     page.committed = e.columns
     dst.append_member(e.slot)
     dst.committed = dst.provisional = (dst.nmem - 1) * P + e.columns
@@ -356,7 +286,7 @@ def _host_publish(st: StoreState, e: ev.HostPublish) -> None:
             st.host.free(page.host[0])  # type: ignore[union-attr]
         page.host = (offsets[i], ep, cov, crc)
         page.pins -= 1
-    _collect(st, pool, np.asarray(slots, I64))
+    collect(st, pool, np.asarray(slots, I64))
 
 
 def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
@@ -367,7 +297,7 @@ def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
         page = pool.pages[slot]
         assert page is not None
         page.pins -= 1
-    _collect(st, pool, np.asarray(slots, I64))
+    collect(st, pool, np.asarray(slots, I64))
 
 
 def _host_drop(st: StoreState, e: ev.HostDrop) -> None:
@@ -378,7 +308,7 @@ def _host_drop(st: StoreState, e: ev.HostDrop) -> None:
         assert page is not None and page.host is not None
         st.host.free(page.host[0])  # type: ignore[union-attr]
         page.host = None
-    _collect(st, pool, slots.astype(I64))
+    collect(st, pool, slots.astype(I64))
 
 
 def _device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
@@ -422,7 +352,7 @@ def _unpin(st: StoreState, e: ev.Unpin) -> None:
         page = pool.pages[slot]
         assert page is not None
         page.pins -= 1
-    _collect(st, pool, slots.astype(I64))
+    collect(st, pool, slots.astype(I64))
 
 
 def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:

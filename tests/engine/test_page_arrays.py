@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_kv.engine.apply import _new_page
+from ninfer_kv.engine.page_life import new_page
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import page_tuples
@@ -23,7 +23,7 @@ def test_a_page_in_the_slot_past_the_arrays_grows_them() -> None:
     p = PoolState("main", 16, 1, 4)
     p.init_pages(list(range(16)), [NO_PAGE] * 16, NO_PAGE, False)
     assert p.n_slots == len(p.pg_live) == 16
-    page = _new_page(p, 16, 3, 7)
+    page = new_page(p, 16, 3, 7)
     assert (p.n_slots, page.device, page.writer, page.refs) == (17, 3, 7, 1)
     assert 3 not in p.free_pages
 

@@ -1,0 +1,86 @@
+"""A logical page's life in the pool's arrays (spec §5.1, §5.3): born into a free slot with
+a device lease (``new_page``, ``new_pages``), referenced by memberships, and collected —
+device lease and host replica freed, slot recycled with its generation advanced — when no
+reference and no pin is left (``unref``, ``collect``). Only ``apply`` calls these: they are
+the array half of its handlers, kept apart so that apply.py reads as the list of events.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine.address_space import KVAddressSpace
+from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.engine.state import StoreState
+
+I64 = np.int64
+
+
+def new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
+    """One fresh page in a free (or the next never-used) slot, holding ``device``."""
+    if slot != pool.n_slots:
+        pool.free_slots.take([slot])  # ValueError: neither free nor the next slot
+    pool.ensure_slot(slot)
+    assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
+    if device != NO_PAGE:
+        pool.free_pages.take([device])
+    pool.init_pages([slot], [device], writer, True)
+    return LogicalKVPage(pool, slot)
+
+
+def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
+               ) -> None:
+    """``new_page`` for a batch, as arrays. Slots are reused ones (lowest free first) then
+    fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
+    by one."""
+    sl = slots.tolist()
+    n_old = pool.n_slots
+    reused = [s for s in sl if s < n_old]
+    fresh = sl[len(reused):]
+    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
+        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
+            new_page(pool, s, d, w)
+        return
+    assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"
+    pool.free_slots.take(reused)
+    pool.free_pages.take(devs[devs != NO_PAGE])
+    pool.init_pages(slots, devs, writers, True)
+
+
+def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
+    """Of ``slots``, the pages with no reference and no pin are garbage: free their device
+    and host replicas and recycle the slots, advancing their generations (§5.3)."""
+    dead = rk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
+    if not len(dead):
+        return
+    assert pool.pg_live[dead].all(), f"{pool.name}: freeing free slots {dead.tolist()}"
+    dev = pool.pg_device[dead]
+    pool.free_pages.give(dev[dev != NO_PAGE])
+    pool.pg_device[dead] = NO_PAGE
+    if pool.host_of:
+        for s in dead.tolist():
+            h = pool.host_of.pop(s, None)
+            if h is not None:
+                st.host.free(h[0])  # type: ignore[union-attr]
+    pool.pg_live[dead] = False
+    pool.pg_gen[dead] += 1
+    pool.free_slots.give(dead)
+
+
+def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
+           active: bool) -> None:
+    """``bundle``'s space drops its references to ``slots`` (an active space also its
+    writer right); pages left without references are collected."""
+    slots = np.asarray(slots, I64)
+    np.subtract.at(pool.pg_refs, slots, 1)
+    if active:
+        np.subtract.at(pool.pg_active, slots, 1)
+        pool.pg_writer[slots[pool.pg_writer[slots] == bundle]] = NO_PAGE
+    collect(st, pool, slots)
+
+
+def members_of(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
+    """``sp``'s membership as a fresh int64 array (slot ids by logical block)."""
+    return pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
