@@ -47,19 +47,26 @@ def test_the_cache_is_keyed_by_the_kernel_sources(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "kernels"
     shutil.copytree(jit.KERNELS, src, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setenv("NINFER_KV_JIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(jit, "KERNELS", src)
+    before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, src / "codecs.py")
+    assert before != after  # codecs.py: a module the kernels inline from
+    assert os.path.dirname(before) == os.path.dirname(after) == str(tmp_path / "cache")
+
+
+def cache_dirs_around_an_edit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              edited: Path) -> tuple[str, str]:
+    """``jit.cache_dir()`` (under ``tmp_path/cache``) before and after appending to
+    ``edited``."""
+    monkeypatch.setenv("NINFER_KV_JIT_CACHE", str(tmp_path / "cache"))
     jit.cache_dir.cache_clear()
     try:
         before = jit.cache_dir()
-        with (src / "codecs.py").open("a") as f:  # a module the kernels inline from
+        with edited.open("a") as f:
             f.write("\n# changed\n")
         jit.cache_dir.cache_clear()
-        after = jit.cache_dir()
+        return before, jit.cache_dir()
     finally:
         jit.cache_dir.cache_clear()
-    assert before != after
-    assert os.path.dirname(before) == os.path.dirname(after) == str(tmp_path / "cache")
 
 
 def test_the_applications_numba_cache_dir_is_left_alone() -> None:
@@ -128,15 +135,6 @@ def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
     files = [engine / p.name for p in jit.ENGINE_KERNELS]
     for src, dst in zip(jit.ENGINE_KERNELS, files, strict=True):
         shutil.copy(src, dst)
-    monkeypatch.setenv("NINFER_KV_JIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(jit, "ENGINE_KERNELS", tuple(files))
-    jit.cache_dir.cache_clear()
-    try:
-        before = jit.cache_dir()
-        with (engine / "layout.py").open("a") as f:
-            f.write("\n# P changed\n")
-        jit.cache_dir.cache_clear()
-        after = jit.cache_dir()
-    finally:
-        jit.cache_dir.cache_clear()
-    assert before != after
+    before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, engine / "layout.py")
+    assert before != after  # layout.py: the P the control plane's loops bake in
