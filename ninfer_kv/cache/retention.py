@@ -13,9 +13,11 @@ Victim order (``victims``), first to go first:
    (``checkpoint_info(ck).parent``) holds the prefix they share, so it outlives its branches;
 3. least recently used first (retained or looked up).
 
-With a host tier, a victim that still has device pages is first demoted (``drop_device``:
-its pages live on in host memory and a later continuation restores them) and only released
-when nothing is left to demote.
+With a host tier, device room comes first from demoting a fully offloaded victim
+(``drop_device``: its pages live on in host memory and a later continuation restores them),
+then from releasing a victim that holds device pages; host room (``make_host_room``) from
+dropping a device-resident victim's host replicas, else releasing a demoted victim. Either way
+the least valuable checkpoint goes first, and nothing is released that frees nothing.
 """
 
 from __future__ import annotations
@@ -108,22 +110,44 @@ class LruRetention:
             self.priority(c), self.entries[c].children > 0, self.entries[c].used))
 
     def make_room(self, store: KVStore) -> str | None:
-        """Free device pages for one more admission attempt: demote the first victim that
-        still has device pages (host tier on), else release the first victim. Returns
-        "demote", "release" or None (nothing left to free)."""
+        """Free device pages for one more admission attempt. With a host tier, demote
+        (``drop_device``) the first victim whose every page has a published host replica;
+        else release the first victim that still holds device pages. Returns "demote",
+        "release" or None: no retained checkpoint holds a device page it could free (a
+        demoted one is kept — releasing it frees host memory, not device pages)."""
+        victims = list(self.victims())
         if store.arena is not None:
-            for ck in self.victims():
-                e = self.entries[ck]
-                if not e.demoted and store.drop_device(ck):
-                    e.demoted = True
+            for ck in victims:
+                pages, dev, host = residency(store, ck)
+                if dev and host == pages and store.drop_device(ck):
+                    self.entries[ck].demoted = True
                     log.debug("retention.demote", checkpoint=ck)
                     return "demote"
-                e.demoted = True   # no device pages left to drop
-        # releasing a device-resident checkpoint frees device pages; a demoted one only host
-        for ck in sorted(self.victims(), key=lambda c: self.entries[c].demoted):
+        for ck in victims:
+            if residency(store, ck)[1]:
+                self.forget(ck)
+                store.release(ck)
+                log.debug("retention.release", checkpoint=ck)
+                return "release"
+        return None
+
+    def make_host_room(self, store: KVStore, keep: int | None = None) -> str | None:
+        """Free host-arena space (for offloading ``keep``): the first victim other than
+        ``keep`` that holds host replicas loses them — ``drop_host`` when every page is still
+        on the device (the checkpoint stays cached there), else it is released. Returns
+        "drop_host", "release" or None (nothing in the host tier to free)."""
+        for ck in self.victims():
+            if ck == keep:
+                continue
+            pages, dev, host = residency(store, ck)
+            if not host:
+                continue
+            if dev == pages and store.drop_host(ck):
+                log.debug("retention.drop_host", checkpoint=ck)
+                return "drop_host"
             self.forget(ck)
             store.release(ck)
-            log.debug("retention.release", checkpoint=ck)
+            log.debug("retention.release_host", checkpoint=ck)
             return "release"
         return None
 
@@ -131,3 +155,11 @@ class LruRetention:
         """``ck`` was continued (its pages are on the device again)."""
         if ck in self.entries:
             self.entries[ck].demoted = False
+
+
+def residency(store: KVStore, ck: int) -> tuple[int, int, int]:
+    """(pages, device pages, pages with a published host replica) of checkpoint ``ck``,
+    summed over its pools."""
+    pools = store.checkpoint_info(ck).pools.values()
+    return (sum(r.pages for r in pools), sum(r.device_pages for r in pools),
+            sum(r.host_pages for r in pools))

@@ -34,24 +34,41 @@ def _align(n: int) -> int:
 
 
 class ExtentAllocator:
-    __slots__ = ("capacity", "by_off", "by_size", "live")
+    """Free and live extents. ``free_total`` / ``live_total`` are running sums of their sizes
+    (so occupancy is O(1)); ``violations`` recomputes them."""
+
+    __slots__ = ("capacity", "by_off", "by_size", "live", "free_total", "live_total")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.by_off: SortedDict = SortedDict()   # offset -> size (free)
         self.by_size: SortedList = SortedList()  # (size, offset) (free)
         self.live: SortedDict = SortedDict()     # offset -> size (allocated)
+        self.free_total = 0
+        self.live_total = 0
         if capacity:
             self._add_free(0, capacity)
+
+    @classmethod
+    def restore(cls, capacity: int, free: Iterable[tuple[int, int]],
+                live: Iterable[tuple[int, int]]) -> ExtentAllocator:
+        """The allocator a snapshot describes: free and live (offset, size) extents."""
+        h = cls(0)
+        h.capacity = capacity
+        for off, size in free:
+            h._add_free(off, size)
+        h.live = SortedDict(dict(live))
+        h.live_total = sum(h.live.values())
+        return h
 
     # --- queries (never mutate) ------------------------------------------------------------
     @property
     def free_bytes(self) -> int:
-        return sum(self.by_off.values())
+        return self.free_total
 
     @property
     def live_bytes(self) -> int:
-        return sum(self.live.values())
+        return self.live_total
 
     def best_fit(self, size: int) -> int | None:
         i = self.by_size.bisect_left((_align(size), -1))
@@ -59,7 +76,12 @@ class ExtentAllocator:
 
     def plan(self, releases: Iterable[int], sizes: Sequence[int]) -> list[int] | None:
         """Offsets for ``sizes`` after freeing the live extents at ``releases`` — or None if
-        the recipe does not fit. Simulated on a copy; this allocator is unchanged."""
+        the recipe does not fit. This allocator is unchanged. Without releases (every
+        ``offload``) best fit runs on an overlay — O(len(sizes) log n), not a copy of the
+        index."""
+        releases = list(releases)
+        if not releases:
+            return self._plan_overlay(sizes)
         sim = self.copy()
         for off in releases:
             sim.free(off)
@@ -72,22 +94,58 @@ class ExtentAllocator:
             out.append(off)
         return out
 
+    def _plan_overlay(self, sizes: Sequence[int]) -> list[int] | None:
+        """``plan([], sizes)``: allocate carves the head of the best-fit extent and frees
+        nothing, so the free set after each step is the original extents not yet carved
+        (``used``) plus the remainders this plan made (``rest``)."""
+        used: set[int] = set()
+        rest = SortedList()
+        cursor: dict[int, int] = {}  # per size: index in by_size before which all is too small/used
+        out = []
+        for size in sizes:
+            need = _align(size)
+            i = cursor.get(need)
+            if i is None:
+                i = self.by_size.bisect_left((need, -1))
+            while i < len(self.by_size) and self.by_size[i][1] in used:
+                i += 1
+            cursor[need] = i
+            orig = self.by_size[i] if i < len(self.by_size) else None
+            j = rest.bisect_left((need, -1))
+            mine = rest[j] if j < len(rest) else None
+            if orig is None and mine is None:
+                return None
+            if mine is not None and (orig is None or mine < orig):
+                rest.pop(j)
+                free, off = mine
+            else:
+                assert orig is not None
+                used.add(orig[1])
+                free, off = orig
+            if free > need:
+                rest.add((free - need, off + need))
+            out.append(off)
+        return out
+
     def copy(self) -> ExtentAllocator:
         c = ExtentAllocator(0)
         c.capacity = self.capacity
         c.by_off = SortedDict(self.by_off)
         c.by_size = SortedList(self.by_size)
         c.live = SortedDict(self.live)
+        c.free_total, c.live_total = self.free_total, self.live_total
         return c
 
     # --- mutations (apply only) ------------------------------------------------------------
     def _add_free(self, off: int, size: int) -> None:
         self.by_off[off] = size
         self.by_size.add((size, off))
+        self.free_total += size
 
     def _del_free(self, off: int) -> int:
         size = self.by_off.pop(off)
         self.by_size.remove((size, off))
+        self.free_total -= size
         return size
 
     def allocate(self, off: int, size: int) -> None:
@@ -98,9 +156,11 @@ class ExtentAllocator:
         if free > size:
             self._add_free(off + size, free - size)
         self.live[off] = size
+        self.live_total += size
 
     def free(self, off: int) -> None:
         size = self.live.pop(off)
+        self.live_total -= size
         i = self.by_off.bisect_left(off)
         if i > 0:  # coalesce with the free extent before
             prev = self.by_off.keys()[i - 1]
@@ -122,8 +182,12 @@ class ExtentAllocator:
             pos = o + s
         if pos != self.capacity:
             out.append(f"host arena: extents end at {pos}, capacity {self.capacity}")
-        if self.free_bytes + self.live_bytes != self.capacity:
+        free, live = sum(self.by_off.values()), sum(self.live.values())
+        if free + live != self.capacity:
             out.append("host arena: free + live != capacity")
+        if (free, live) != (self.free_total, self.live_total):
+            out.append(f"host arena: running totals free {self.free_total} / live "
+                       f"{self.live_total} B, extents sum to {free} / {live} B")
         if sorted(self.by_size) != sorted((s, o) for o, s in self.by_off.items()):
             out.append("host arena: size index out of step with offset index")
         return out

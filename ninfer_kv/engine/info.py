@@ -9,9 +9,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
-from ninfer_kv.engine import host
-from ninfer_kv.engine.continuation import unrecoverable_reason
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import UnknownHandle
@@ -80,22 +79,32 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
     page_bytes = {s.name: s.page_bytes for s in st.pool_specs}
     pools: dict[str, PoolResidency] = {}
     for name in b.pools:
-        p = st.pools[name]
-        sp = p.spaces[bundle]
-        pages = [p.pages[s] for s in sp.members]
-        dev = sum(1 for pg in pages if pg is not None and pg.device != NO_PAGE)
-        hst = sum(1 for pg in pages
-                  if pg is not None and host.replica_valid(pg, pg.committed))
-        pools[name] = PoolResidency(sp.committed, len(pages), dev, hst,
+        sp = st.pools[name].spaces[bundle]
+        dev, hst = residency(st.pools[name], sp.slots)
+        pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
                                     dev * page_bytes[name], hst * page_bytes[name])
     main = pools.get("main") or next(iter(pools.values()), None)
-    # restart's rule (engine/restart.py): every page has a valid published host replica, and
-    # replicas outlive the process only in a file arena (a checkpoint without pages needs none)
-    survives = (not b.active and unrecoverable_reason(st, bundle) is None
+    # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
+    # valid published host replica, and replicas outlive the process only in a file arena
+    # (a checkpoint without pages needs none)
+    survives = (not b.active and all(r.host_pages == r.pages for r in pools.values())
                 and (st.host_persistent == 1 or all(r.pages == 0 for r in pools.values())))
     return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
                           b.finish_reason, b.parent if b.parent >= 0 else None,
                           msgspec.msgpack.decode(b.meta) if b.meta else None)
+
+
+def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
+    """(device pages, pages with a valid host replica covering their committed columns —
+    ``host.replica_valid``, §5.1) among ``slots`` of pool ``p``; array reads, no page views."""
+    dev = int(np.count_nonzero(p.pg_device[slots] != NO_PAGE))
+    hst = 0
+    if p.host_of:
+        for s, epoch, committed in zip(slots.tolist(), p.pg_epoch[slots].tolist(),
+                                       p.pg_committed[slots].tolist(), strict=True):
+            h = p.host_of.get(s)
+            hst += h is not None and h[1] == epoch and h[2] >= committed
+    return dev, hst
 
 
 def checkpoint_only_pages(p: PoolState) -> int:

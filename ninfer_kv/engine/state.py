@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from sortedcontainers import SortedDict
 
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.free_ids import FreeIds
@@ -176,12 +175,7 @@ def decode_state(data: bytes) -> StoreState:
                 p.row_owner[sp.row] = sp.bundle
         st.pools[ps.name] = p
     if snap.host_capacity >= 0:
-        h = ExtentAllocator(0)
-        h.capacity = snap.host_capacity
-        for off, size in snap.host_free:
-            h._add_free(off, size)
-        h.live = SortedDict(dict(snap.host_live))
-        st.host = h
+        st.host = ExtentAllocator.restore(snap.host_capacity, snap.host_free, snap.host_live)
         st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
         st.host_persistent = snap.host_persistent
     st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}

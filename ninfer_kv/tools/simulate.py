@@ -345,16 +345,15 @@ def _share(store: KVStore, r: _Running, cache: LruRetention, timed: Callable[...
 
 def _offload(store: KVStore, ck: int, cache: LruRetention, res: SimResult,
              timed: Callable[..., Any]) -> None:
-    """Copy a fresh checkpoint to the host tier; when the arena is full, release the least
-    recently used checkpoints until it fits (or give up on this one)."""
-    for _ in range(8):
+    """Copy a fresh checkpoint to the host tier; while the arena is full, the retention
+    policy frees host space (least valuable checkpoint first), or this one stays device-only."""
+    while True:
         try:
             res.offloaded_pages += timed(store.offload, ck)
             return
         except HostArenaError:
-            victim = next((c for c in cache.victims() if c != ck), None)
-            if victim is None:
+            action = timed(cache.make_host_room, store, ck)
+            if action is None:
                 return
-            cache.forget(victim)
-            timed(store.release, victim)
-            res.evictions += 1
+            if action == "release":
+                res.evictions += 1

@@ -84,9 +84,50 @@ def test_make_room_demotes_before_it_releases_and_keeps_parents() -> None:
     with store.boundary():
         pass
     assert store.checkpoint_info(a).pools["main"].device_pages == 0
-    assert pol.make_room(store) == "release"              # nothing left to demote
-    assert b not in pol.entries and b not in store.checkpoints()
-    assert pol.make_room(store) == "release" and pol.make_room(store) is None
+    # both live on in the host tier only: releasing either would free no device page
+    assert pol.make_room(store) is None
+    assert store.checkpoints() == [a, b] and set(pol.entries) == {a, b}
+    store.check_invariants()
+
+
+def test_make_room_releases_a_checkpoint_without_host_replicas_instead_of_demoting() -> None:
+    store = _store(host=True)
+    pol = LruRetention()
+    a, b = _retained(store, 64), _retained(store, 64)
+    pol.retain(a, (1,))
+    pol.retain(b, (2,))
+    store.offload(b)                                      # only b can be demoted
+    with store.boundary():
+        pass
+    assert pol.make_room(store) == "demote"               # b, though a is older
+    with store.boundary():
+        pass
+    assert store.checkpoint_info(b).pools["main"].device_pages == 0
+    assert pol.make_room(store) == "release"              # a: its only copy is on the device
+    assert store.checkpoints() == [b] and list(pol.entries) == [b]
+    store.check_invariants()
+
+
+def test_make_host_room_drops_host_replicas_of_device_resident_before_releasing() -> None:
+    store = _store(host=True)
+    pol = LruRetention()
+    a, b, c = (_retained(store, 64) for _ in range(3))
+    for i, ck in enumerate((a, b, c)):
+        pol.retain(ck, (i,))
+        store.offload(ck)
+    with store.boundary():
+        pass
+    assert pol.make_room(store) == "demote"               # a: host-only now
+    with store.boundary():
+        pass
+    # a (host-only) is the least recent: released; then b (on the device) keeps its pages
+    assert pol.make_host_room(store, keep=c) == "release"
+    assert a not in store.checkpoints() and a not in pol.entries
+    assert pol.make_host_room(store, keep=c) == "drop_host"
+    info = store.checkpoint_info(b).pools["main"]
+    assert (info.device_pages, info.host_pages) == (1, 0)
+    assert pol.make_host_room(store, keep=c) is None      # only c (kept) has host pages
+    assert store.checkpoint_info(c).pools["main"].host_pages == 1
     store.check_invariants()
 
 

@@ -75,3 +75,26 @@ def test_coalescing_and_best_fit() -> None:
     assert a.best_fit(3 * ALIGN) is None           # 5 free units, but no 3 adjacent
     assert a.free_bytes == 5 * ALIGN
     assert a.plan([6 * ALIGN], [4 * ALIGN]) == [5 * ALIGN]  # a release that makes room
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 700)), max_size=60),
+       st.lists(st.sampled_from([1, 63, 64, 65, 128, 200, 640]), max_size=40),
+       st.integers(0, 2**16))
+def test_plan_without_releases_is_sequential_best_fit(history, sizes, seed) -> None:
+    """``plan([], sizes)`` runs on an overlay, not a copy: it must approve exactly what
+    sequential best fit then does, at the same offsets (unaligned sizes, repeated sizes)."""
+    rng = random.Random(seed)
+    a = ExtentAllocator(CAP * 4)
+    for is_alloc, size in history:
+        if is_alloc:
+            off = a.best_fit(size)
+            if off is not None:
+                a.allocate(off, size)
+        elif a.live:
+            a.free(rng.choice(list(a.live)))
+    before = (dict(a.by_off), list(a.by_size), dict(a.live), a.free_bytes, a.live_bytes)
+    planned = a.plan([], sizes)
+    assert (dict(a.by_off), list(a.by_size), dict(a.live), a.free_bytes, a.live_bytes) == before
+    assert planned == execute(a, [], sizes)
+    assert not a.violations()

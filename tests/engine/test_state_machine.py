@@ -37,7 +37,9 @@ from hypothesis.stateful import (
 
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.continuation import unrecoverable_reason
+from ninfer_kv.engine.host import replica_valid
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import KVStoreError
 from ninfer_kv.replay import replay
@@ -328,6 +330,23 @@ class StoreMachine(RuleBasedStateMachine):
     def invariants_hold(self) -> None:
         self.steps += 1
         self.store.check_invariants()
+        self.residency_is_the_pages()
+
+    def residency_is_the_pages(self) -> None:
+        """checkpoint_info's array counts (a retention policy's input) equal a count over the
+        page views with the §5.1 rule, and survives_restart is restart's rule."""
+        st = self.store.state
+        for b, bundle in st.bundles.items():
+            info = self.store.checkpoint_info(b)
+            for pool, r in info.pools.items():
+                pages = [st.pools[pool].pages[s] for s in st.pools[pool].spaces[b].members]
+                dev = sum(pg.device != NO_PAGE for pg in pages)
+                hst = sum(replica_valid(pg, pg.committed) for pg in pages)
+                assert (r.pages, r.device_pages, r.host_pages) == (len(pages), dev, hst), (b, pool)
+            survives = (not bundle.active and unrecoverable_reason(st, b) is None
+                        and (st.host_persistent == 1
+                             or all(r.pages == 0 for r in info.pools.values())))
+            assert info.survives_restart == survives, b
 
 
 class SharingMachine(StoreMachine):
