@@ -38,7 +38,7 @@ class Entry:
     parent: int | None
     used: int = 0               # recency tick
     children: int = 0           # retained checkpoints continued from this one
-    demoted: bool = False       # device pages dropped; lives in the host tier
+    demoted: bool = False       # device pages dropped; lives in the host tier (until restored)
 
 
 class LruRetention:
@@ -114,8 +114,10 @@ class LruRetention:
         (``drop_device``) the first victim whose every page has a published host replica;
         else release the first victim that still holds device pages. Returns "demote",
         "release" or None: no retained checkpoint holds a device page it could free (a
-        demoted one is kept — releasing it frees host memory, not device pages)."""
-        victims = list(self.victims())
+        demoted one is kept — releasing it frees host memory, not device pages). Demoted
+        entries are skipped without asking the store: a continuation that restores one
+        reports it (``restored``)."""
+        victims = [ck for ck in self.victims() if not self.entries[ck].demoted]
         if store.arena is not None:
             for ck in victims:
                 pages, dev, host = residency(store, ck)

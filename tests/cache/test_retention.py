@@ -105,6 +105,14 @@ def test_make_room_releases_a_checkpoint_without_host_replicas_instead_of_demoti
     assert store.checkpoint_info(b).pools["main"].device_pages == 0
     assert pol.make_room(store) == "release"              # a: its only copy is on the device
     assert store.checkpoints() == [b] and list(pol.entries) == [b]
+    assert pol.make_room(store) is None                   # b is host-only
+    child = store.activate_from(b, 64, 100, 1)            # restores b's page to the device
+    with store.boundary():
+        pass
+    pol.restored(b)
+    store.finish(child)
+    assert store.checkpoint_info(b).pools["main"].device_pages == 1
+    assert pol.make_room(store) == "demote"               # b can be demoted again
     store.check_invariants()
 
 
