@@ -21,6 +21,7 @@ import numpy as np
 from ninfer_adapter import MAX_OUT, NinferAdapter  # type: ignore[import-not-found]
 
 from ninfer_kv import KVStore
+from ninfer_kv.errors import CapacityExhausted
 
 
 class NinferArrays(NinferAdapter):
@@ -87,16 +88,22 @@ class NinferSharing(NinferArrays):
             self.index[h] = ck
 
     def _evict_one(self) -> bool:
-        """Release the least recently used checkpoint — unless releasing every checkpoint
-        could not make room for the admission being tried (then the cache is kept and the
-        request waits, instead of emptying the cache for nothing)."""
+        """Release the least recently used checkpoint that is the only holder of some device
+        page — unless releasing every checkpoint could not make room for the admission being
+        tried (then the cache is kept and the request waits, instead of emptying the cache for
+        nothing). A checkpoint whose pages running requests share frees nothing: it stays
+        indexed, as vLLM keeps the hashes of blocks in use."""
         if not self.lru:
             return False
         if self._need:
             occ = self.store.occupancy()["main"]
             if occ["available"] + occ["checkpoint_only"] < self._need:
                 return False
-        ck, hs = self.lru.popitem(last=False)
+        sole = self.store.sole_device_pages
+        ck = next((c for c in self.lru if sole(c)), None)
+        if ck is None:
+            return False
+        hs = self.lru.pop(ck)
         for h in hs:
             held = self.holders[h]
             held.remove(ck)
@@ -143,7 +150,10 @@ class NinferGrowth(NinferSharing):
     shared checkpoints, LRU, while a sequence is short), and a sequence the pool still cannot
     extend is reported back to the harness as not stepped — which preempts the most recently
     admitted request, as vLLM does. A preempted request is finished *retained*:
-    its KV stays as a checkpoint (LRU-evictable), and its re-admission Forks from it."""
+    its KV stays as a checkpoint (LRU-evictable), and its re-admission (the harness's
+    recompute preemption: prompt = prompt + generated) continues from its own checkpoint at
+    the token-exact frontier prompt_len - 1 (a partial-tail COW; vLLM and SGLang resume at a
+    whole block) — or, once that checkpoint was evicted, like any other request."""
 
     name = "ninfer-j-grow"
     WINDOW = 512
@@ -159,6 +169,53 @@ class NinferGrowth(NinferSharing):
         self.store = KVStore.open(dataclasses.replace(
             cfg, lease_growth=True, lease_window=self.WINDOW, lease_cushion=64))
         self.rounds = 0
+        self.own: dict[int, tuple[int, list[int]]] = {}  # rid -> (its last checkpoint, hashes)
+        self.resumed = 0
+
+    def free(self, request_id: int) -> None:
+        hs = self.hashes[request_id]
+        super().free(request_id)
+        self.own[request_id] = (next(reversed(self.lru)), hs)
+
+    def admit(self, request_id: int, prompt_len: int, prompt_tokens: object = None) -> bool:
+        ck, hs = self.own.pop(request_id, (None, []))
+        if ck is None or ck not in self.lru:
+            return super().admit(request_id, prompt_len, prompt_tokens)
+        store = self.store
+        f = min(store.space(ck).committed, prompt_len - 1)
+        self.lru.move_to_end(ck)
+        self._need = store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT)
+        try:
+            while True:
+                try:
+                    seq = store.activate_from(ck, f, prompt_len, MAX_OUT)
+                    break
+                except CapacityExhausted:
+                    if not self._evict_one():
+                        self.refused += 1
+                        self.own[request_id] = (ck, hs)
+                        return False
+                    if ck not in self.lru:   # evicted at last: recompute like a new request
+                        return super().admit(request_id, prompt_len, prompt_tokens)
+        finally:
+            self._need = 0
+        store.ensure_mapped(seq, "main", prompt_len)
+        store.close_boundary()     # the prefill unit (one token) ran between these two
+        store.unit_complete()
+        store.commit(seq, "main", prompt_len)
+        self.seq[request_id] = seq
+        self.front[request_id] = prompt_len
+        self.hashes[request_id] = hs
+        self.seq_of[request_id] = seq
+        self.front_of[request_id] = prompt_len
+        self.n_admit += 1
+        self.hit_tokens += f
+        self.prompt_tokens += prompt_len
+        self.resumed += 1
+        return True
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "resumed": self.resumed}
 
     def step_batch(self, request_ids: list[int]) -> list[bool]:
         ok = [True] * len(request_ids)

@@ -112,9 +112,10 @@ class LruRetention:
     def make_room(self, store: KVStore) -> str | None:
         """Free device pages for one more admission attempt. With a host tier, demote
         (``drop_device``) the first victim whose every page has a published host replica;
-        else release the first victim that still holds device pages. Returns "demote",
-        "release" or None: no retained checkpoint holds a device page it could free (a
-        demoted one is kept — releasing it frees host memory, not device pages). Demoted
+        else release the first victim that is the only holder of some device page. Returns
+        "demote", "release" or None: releasing any retained checkpoint would free no device
+        page (a demoted one frees host memory; one whose pages running sequences or other
+        checkpoints share frees nothing) — so it stays, and its prefix stays findable. Demoted
         entries are skipped without asking the store: a continuation that restores one
         reports it (``restored``)."""
         victims = [ck for ck in self.victims() if not self.entries[ck].demoted]
@@ -126,7 +127,7 @@ class LruRetention:
                     log.debug("retention.demote", checkpoint=ck)
                     return "demote"
         for ck in victims:
-            if residency(store, ck)[1]:
+            if store.sole_device_pages(ck):
                 self.forget(ck)
                 store.release(ck)
                 log.debug("retention.release", checkpoint=ck)

@@ -29,6 +29,10 @@ class PoolResidency:
     host_pages: int     # pages with a valid host replica covering their committed columns (§5.1)
     device_bytes: int   # device_pages * the pool's page-group bytes (all layers and planes)
     host_bytes: int
+    sole_device_pages: int = 0
+    """Device pages no other sequence or checkpoint references: what releasing it frees
+    (§8.3; a page a queued copy pins frees at that boundary). A retention policy evicts
+    checkpoints with none last — they free nothing and keep a prefix findable."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +84,11 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
     pools: dict[str, PoolResidency] = {}
     for name in b.pools:
         sp = st.pools[name].spaces[bundle]
-        dev, hst = residency(st.pools[name], sp.slots)
+        p = st.pools[name]
+        dev, hst = residency(p, sp.slots)
+        sole = sole_pages(p, sp.slots)
         pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
-                                    dev * page_bytes[name], hst * page_bytes[name])
+                                    dev * page_bytes[name], hst * page_bytes[name], sole)
     main = pools.get("main") or next(iter(pools.values()), None)
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena
@@ -105,6 +111,20 @@ def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
             h = p.host_of.get(s)
             hst += h is not None and h[1] == epoch and h[2] >= committed
     return dev, hst
+
+
+def sole_pages(p: PoolState, slots: np.ndarray) -> int:
+    """Device pages among ``slots`` that one address space alone references (refs == 1)."""
+    return int(np.count_nonzero((p.pg_device[slots] != NO_PAGE) & (p.pg_refs[slots] == 1)))
+
+
+def sole_device_pages(store: Txn, bundle: int) -> int:
+    st = store.state
+    b = st.bundles.get(bundle)
+    if b is None:
+        raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
+    return sum(sole_pages(st.pools[pool], st.pools[pool].spaces[bundle].slots)
+               for pool in b.pools)
 
 
 def checkpoint_only_pages(p: PoolState) -> int:

@@ -313,6 +313,13 @@ class KVStore(StoreCore):
             raise StoreClosed("checkpoint_info refused: the store is closed")
         return info.checkpoint_info(self, as_int("checkpoint", bundle))
 
+    def sole_device_pages(self, bundle: int) -> int:
+        """Device pages only ``bundle`` references, over its pools: what releasing it frees
+        (``checkpoint_info``'s per-pool ``sole_device_pages``, without the rest of it)."""
+        if self._closed:
+            raise StoreClosed("sole_device_pages refused: the store is closed")
+        return info.sole_device_pages(self, as_int("checkpoint", bundle))
+
     def metrics(self) -> info.StoreMetrics:
         """Counters since open and occupancy now (engine/info.py documents each field)."""
         return info.metrics(self)

@@ -149,3 +149,24 @@ def test_without_a_host_tier_make_room_releases_least_recent_first() -> None:
     assert pol.make_room(store) == "release"
     assert store.checkpoints() == [a] and list(pol.entries) == [a]
     store.check_invariants()
+
+
+def test_make_room_keeps_a_checkpoint_whose_release_would_free_nothing() -> None:
+    """A checkpoint whose pages a running sequence shares frees no device page when released:
+    it stays (its prefix stays findable, as vLLM keeps in-use blocks hashed), though older."""
+    store = _store(host=False)
+    pol = LruRetention()
+    a = _retained(store, 64)
+    running = store.activate_from(a, 64, 100, 1)          # shares a's only page
+    b = _retained(store, 64)
+    pol.retain(a, (1,))
+    pol.retain(b, (2,))
+    assert store.checkpoint_info(a).pools["main"].sole_device_pages == 0
+    assert store.checkpoint_info(b).pools["main"].sole_device_pages == 1
+    assert pol.make_room(store) == "release"
+    assert store.checkpoints() == [a] and list(pol.entries) == [a]
+    assert pol.make_room(store) is None
+    store.finish(running)                                 # now a is the page's only holder
+    assert store.checkpoint_info(a).pools["main"].sole_device_pages == 1
+    assert pol.make_room(store) == "release" and store.checkpoints() == []
+    store.check_invariants()

@@ -342,7 +342,9 @@ class StoreMachine(RuleBasedStateMachine):
                 pages = [st.pools[pool].pages[s] for s in st.pools[pool].spaces[b].members]
                 dev = sum(pg.device != NO_PAGE for pg in pages)
                 hst = sum(replica_valid(pg, pg.committed) for pg in pages)
-                assert (r.pages, r.device_pages, r.host_pages) == (len(pages), dev, hst), (b, pool)
+                sole = sum(pg.device != NO_PAGE and pg.refs == 1 for pg in pages)
+                assert (r.pages, r.device_pages, r.host_pages, r.sole_device_pages) == \
+                    (len(pages), dev, hst, sole), (b, pool)
             survives = (not bundle.active and unrecoverable_reason(st, b) is None
                         and (st.host_persistent == 1
                              or all(r.pages == 0 for r in info.pools.values())))
