@@ -1,0 +1,74 @@
+"""Preemption of an active sequence: swap it out to free its device pages, and later resume it
+exactly where it stopped — instead of refusing the request that needs the room.
+
+``swap_out`` finishes the sequence *retained* at its committed frontier (reason "preempted";
+the speculative lead above it goes with the finish's Trim, §8.2), then, with a host tier,
+offloads the checkpoint with ``drop_device``: its pages are copied to the host arena at the
+next boundary and their device page groups return to the pool when that copy publishes (§5.3).
+Without a host tier, or when the arena cannot place the pages, the checkpoint stays on the
+device (``Swapped.offloaded`` is False): the caller's retention policy may then release it and
+recompute the request later (vLLM's recompute preemption).
+
+``swap_in`` continues the checkpoint at the same frontiers without keeping it: a Move when no
+other address space references its pages (no copy), else a Fork whose partial tail is
+COW-copied; host-only pages are restored first (§9). Either way the resumed sequence reads
+the bytes it had when it was swapped out.
+
+Which sequence to preempt is the caller's choice (the store never selects, §1).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import structlog
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import HostArenaError, InvalidArgument
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    """A swapped-out sequence: what ``swap_in`` needs to resume it."""
+
+    checkpoint: int
+    frontier: dict[str, int]   # committed tokens per pool when it was swapped out
+    budget: int                # prompt + output tokens the resumed sequence may reach
+    offloaded: bool            # its pages go to the host tier (device freed at the next boundary)
+
+
+def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
+    """Preempt active sequence ``seq`` whose request may reach ``budget`` tokens (prompt +
+    max output). Refusals (unknown or inactive ``seq``, a budget below its frontier) change
+    nothing."""
+    seq = operator.index(seq)
+    budget = operator.index(budget)
+    frontier = {pool: store.space(seq, pool).committed for pool in store.pools}
+    if budget <= max(frontier.values()):
+        raise InvalidArgument(f"swap_out: budget {budget} must exceed seq {seq}'s committed "
+                              f"frontier {max(frontier.values())} (a resumed sequence needs "
+                              "room for at least one more token)")
+    ck = store.finish(seq, retain=True, reason="preempted")
+    assert ck is not None
+    offloaded = store.arena is not None
+    if offloaded:
+        try:
+            store.offload(ck, drop_device=True)
+        except HostArenaError as exc:  # refused whole: the checkpoint stays on the device
+            offloaded = False
+            log.info("preemption.device_only", checkpoint=ck, reason=str(exc))
+    log.debug("preemption.swap_out", seq=seq, checkpoint=ck, offloaded=offloaded)
+    return Swapped(ck, frontier, budget, offloaded)
+
+
+def swap_in(store: KVStore, swapped: Swapped) -> int:
+    """Resume a swapped-out sequence; returns its new sequence id. ``CapacityExhausted``
+    (nothing changed) when the device cannot hold its pages and budget yet."""
+    prompt = max(swapped.frontier.values())
+    seq = store.activate_from(swapped.checkpoint, dict(swapped.frontier), prompt,
+                              swapped.budget - prompt, keep_source=False)
+    log.debug("preemption.swap_in", checkpoint=swapped.checkpoint, seq=seq)
+    return seq

@@ -1,0 +1,120 @@
+"""Preemption (ninfer_kv/cache/preemption.py): a sequence swapped out to the host tier frees its
+device pages and, resumed after other requests reused them, reads the same KV bytes and keeps
+decoding; without a host tier it resumes by Move (no copy); every refusal changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kv.cache.preemption import swap_in, swap_out
+from ninfer_kv.engine.capacity import Backend
+from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import CapacityExhausted, InactiveSpace, InvalidArgument, UnknownHandle
+from ninfer_kv.replay import replay
+from tests.engine.conftest import small_config
+from tests.engine.test_continuation import page_bytes, running, step, write_tokens
+
+
+def committed_bytes(s: KVStore, seq: int) -> dict[str, list[torch.Tensor]]:
+    """Every pool's committed columns of ``seq``, page by page, plane by plane."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for pool in s.pools:
+        sp, p = s.space(seq, pool), s.state.pools[pool]
+        for i, slot in enumerate(sp.members):
+            cols = min(P, sp.committed - i * P)
+            dev = p.pages[slot].device
+            assert dev >= 0, f"{pool} block {i} is not on the device"
+            hm = s.device.pools[pool].geometry.order.value == "head-major"
+            out.setdefault(pool, []).extend(
+                (t[:, :cols] if hm else t[:, :, :cols]) for t in page_bytes(s, pool, dev))
+    return out
+
+
+def test_swapped_out_sequence_resumes_with_the_same_bytes(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=40, backend=Backend.MTP, host_bytes=8 << 20))
+    a = running(s, 1000, 200)
+    before = committed_bytes(s, a)
+    free0 = s.occupancy()["main"]["available"]
+    sw = swap_out(s, a, 1200)
+    assert sw.offloaded and sw.frontier == {p: 1000 for p in s.pools}
+    step(s)   # D2H copies publish, then the device page groups go
+    info = s.checkpoint_info(sw.checkpoint)
+    assert info.finish_reason == "preempted"
+    assert all(r.device_pages == 0 and r.host_pages == r.pages for r in info.pools.values())
+    assert s.occupancy()["main"]["available"] >= free0 + 16
+    b = running(s, 1800, 10)  # another request takes (and overwrites) the freed page groups
+    s.finish(b)
+    step(s)
+    seq = swap_in(s, sw)
+    step(s)   # host pages restored
+    assert sw.checkpoint not in s.checkpoints()
+    after = committed_bytes(s, seq)
+    assert {p: len(v) for p, v in after.items()} == {p: len(v) for p, v in before.items()}
+    for pool in before:
+        for x, y in zip(before[pool], after[pool], strict=True):
+            assert torch.equal(x, y), pool
+    for pool in s.pools:  # and it keeps decoding above its old frontier
+        s.ensure_mapped(seq, pool, 1001)
+    step(s)
+    for pool in s.pools:
+        write_tokens(s, seq, pool, 1000, 1001)
+        s.commit(seq, pool, 1001)
+    step(s)
+    digest = s.digest()
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == digest
+
+
+def test_without_a_host_tier_swap_in_is_a_move(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=40))
+    a = running(s, 700, 100)
+    members = s.space(a).members
+    sw = swap_out(s, a, 800)
+    assert not sw.offloaded
+    step(s)
+    copies = s.stats["cow_copies"]
+    seq = swap_in(s, sw)
+    step(s)
+    assert s.space(seq).members == members and s.stats["cow_copies"] == copies
+    assert s.space(seq).committed == 700 and s.checkpoints() == []
+
+
+def test_a_full_host_arena_leaves_the_checkpoint_on_the_device(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=40, host_bytes=64 << 10))  # < one page group
+    a = running(s, 300, 10)
+    sw = swap_out(s, a, 310)
+    step(s)
+    assert not sw.offloaded
+    assert s.checkpoint_info(sw.checkpoint).pools["main"].device_pages == 5
+
+
+def test_refusals_change_nothing(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=32, host_bytes=8 << 20))
+    a = running(s, 600, 100)
+    digest = s.digest()
+    for bad, err in (((a, 600), InvalidArgument), ((a, 10), InvalidArgument),
+                     ((999, 700), UnknownHandle), ((a, "700"), TypeError)):
+        with pytest.raises(err):
+            swap_out(s, *bad)
+        assert s.digest() == digest
+    sw = swap_out(s, a, 700)
+    step(s)
+    with pytest.raises((InactiveSpace, UnknownHandle)):
+        swap_out(s, a, 700)                      # no longer active
+    hog = s.activate(22 * P, 1)                  # the device cannot hold it back now
+    step(s)
+    digest = s.digest()
+    with pytest.raises(CapacityExhausted):
+        swap_in(s, sw)
+    assert s.digest() == digest
+    s.finish(hog)
+    step(s)
+    seq = swap_in(s, sw)
+    with pytest.raises(UnknownHandle):           # resumed once: the checkpoint is gone
+        swap_in(s, sw)
+    assert s.space(seq).committed == 600
+    s.check_invariants()
