@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--share", action="store_true",
                    help="live prefix sharing: share each prompt's whole blocks at prefill")
     p.add_argument("--host-bytes", type=non_negative, default=1 << 30)
+    p.add_argument("--no-lease-growth", action="store_true",
+                   help="reserve each request's whole budget at admission (no preemption)")
+    p.add_argument("--lease-window", type=positive, default=4096,
+                   help="kv_lease_growth window in tokens (§6.2)")
     p.add_argument("--scale", type=positive, default=1, help="divide lengths by this")
     p.add_argument("--tp", type=positive, default=1,
                    help="TP replicas on N local gloo processes (docs/multi-gpu.md)")
@@ -55,7 +59,8 @@ def sim_options(a: argparse.Namespace) -> SimOptions:
     return SimOptions(max_concurrency=a.max_concurrency, max_context=a.max_context,
                       kv_tokens=a.kv_tokens, mtp=a.mtp, accept_rate=a.accept_rate,
                       offload=a.offload, share=a.share, host_bytes=a.host_bytes, seed=a.seed,
-                      journal_dir=a.journal, scale=a.scale)
+                      journal_dir=a.journal, scale=a.scale, lease_growth=not a.no_lease_growth,
+                      lease_window=a.lease_window)
 
 
 def run_simulate(a: argparse.Namespace, console: Console) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ninfer_kv.cache.preemption import Swapped, swap_in, swap_out
 from ninfer_kv.cache.retention import LruRetention
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
 from ninfer_kv.engine.layout import P
@@ -85,6 +86,13 @@ class SimOptions:
     """Divide prompt/output lengths and the 512-token hash block by this (small demos)."""
     checked: bool = False
     """StoreConfig.checked: kernel writes are checked against their writer (the demo)."""
+    lease_growth: bool = True
+    """kv_lease_growth (§6.2): a request is entitled its frontier + ``lease_window`` and grows
+    every round; when the pool cannot grow it, the retention policy frees checkpoints, then
+    the most recently admitted request is preempted (swapped to the host tier, or retained
+    for the retention policy to keep or recompute). False: the whole prompt + output budget
+    is reserved at admission and nothing is ever preempted."""
+    lease_window: int = 4096
 
 
 @dataclass(slots=True)
@@ -98,7 +106,11 @@ class SimResult:
     refused_admissions: int = 0
     """Times a waiting request could not be admitted and nothing was left to free."""
     swaps: int = 0
-    """Active sequences swapped out to make room (preemption: not implemented yet, always 0)."""
+    """Running requests preempted (swapped out) so others could grow (lease growth only)."""
+    swap_ins: int = 0
+    """Preempted requests resumed from their checkpoint (the rest were recomputed)."""
+    recomputed: int = 0
+    """Preempted requests whose checkpoint the retention policy released: prefilled again."""
     output_tokens: int = 0
     rounds: int = 0
     request_steps: int = 0
@@ -125,6 +137,7 @@ class SimResult:
             "prefix_hit_ratio": round(self.hit_ratio, 4),
             "ideal_hit_ratio": round(self.ideal_hit_tokens / max(1, self.prompt_tokens), 4),
             "refused_admissions": self.refused_admissions, "swaps": self.swaps,
+            "swap_ins": self.swap_ins, "recomputed": self.recomputed,
             "output_tokens": self.output_tokens,
             "rounds": self.rounds, "request_steps": self.request_steps,
             "peak_occupancy": round(self.peak_occupancy, 4), "evictions": self.evictions,
@@ -144,6 +157,7 @@ class _Running:
     frontier: int
     target: int
     parent: int | None = None
+    prefill: int = 0  # tokens the admission's unit computes and commits (0: none)
 
 
 def make_store(opts: SimOptions) -> KVStore:
@@ -154,7 +168,8 @@ def make_store(opts: SimOptions) -> KVStore:
     cfg = StoreConfig(model=model, serving=serving, kv_tokens=opts.kv_tokens,
                       journal_dir=opts.journal_dir, sync=SyncPolicy.OFF,
                       allocate_planes=opts.allocate_planes,
-                      host_bytes=opts.host_bytes if opts.offload else 0, checked=opts.checked)
+                      host_bytes=opts.host_bytes if opts.offload else 0, checked=opts.checked,
+                      lease_growth=opts.lease_growth, lease_window=opts.lease_window)
     return KVStore.open(cfg)
 
 
@@ -187,6 +202,7 @@ def simulate(requests: list[Request], opts: SimOptions,
     waiting = iter(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
     queue: list[Request] = []
     running: list[_Running] = []
+    swapped: dict[int, tuple[Swapped, _Running]] = {}  # request id -> preempted request
     now = 0.0
     k = opts.draft_window if opts.mtp else 1
     nxt = next(waiting, None)
@@ -206,15 +222,26 @@ def simulate(requests: list[Request], opts: SimOptions,
         if not queue and not running and nxt is not None:
             now = float(nxt.arrival_ms)
             continue
+        # running requests grow first (as vLLM schedules them before waiting ones); no
+        # admission in a round that preempted (as vLLM)
+        swaps = res.swaps
+        stalled: set[int] = set()
+        if opts.lease_growth and running:
+            stalled = timed(_grow, store, cache, res, running, queue, swapped, k)
         # admit in arrival order while rows and capacity allow (evicting LRU checkpoints)
         admitted: list[_Running] = []
-        while queue and len(running) + len(admitted) < opts.max_concurrency:
+        while queue and len(running) + len(admitted) < opts.max_concurrency \
+                and res.swaps == swaps:
             req = queue[0]
             if req.prompt + req.output + k > opts.max_context:
                 res.skipped += 1
                 queue.pop(0)
                 continue
-            r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale), seen)
+            if req.rid in swapped:
+                r = _resume(store, swapped, req.rid, cache, res, timed, k)
+            else:
+                r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale),
+                           seen)
             if r is None:
                 res.refused_admissions += 1
                 break
@@ -223,9 +250,9 @@ def simulate(requests: list[Request], opts: SimOptions,
         # prefill the admitted requests (one unit), then one decode/verify step for the rest
         for r in admitted:
             for pool in pools:
-                timed(store.ensure_mapped, r.seq, pool, r.req.prompt + (k - 1 if pool == "mtp"
-                                                                        else 0))
-        steps = list(running)
+                timed(store.ensure_mapped, r.seq, pool, r.prefill + (k - 1 if pool == "mtp"
+                                                                     else 0))
+        steps = [r for r in running if r.seq not in stalled]
         seqs = [r.seq for r in steps]
         for pool in pools:
             lead = k - 1 if pool == "mtp" else 0
@@ -236,10 +263,12 @@ def simulate(requests: list[Request], opts: SimOptions,
         timed(store.unit_complete)
         for r in admitted:
             for pool in pools:
+                if store.space(r.seq, pool).committed >= r.prefill:
+                    continue  # resumed from its checkpoint: nothing to prefill
                 if opts.checked:
-                    _unit_wrote(store, pool, r.seq, r.req.prompt)
-                timed(store.commit, r.seq, pool, r.req.prompt)
-            r.frontier = r.req.prompt
+                    _unit_wrote(store, pool, r.seq, r.prefill)
+                timed(store.commit, r.seq, pool, r.prefill)
+            r.frontier = max(r.frontier, r.prefill)
             if opts.share:
                 _share(store, r, cache, timed, HASH_BLOCK // max(1, opts.scale))
         done = []
@@ -327,7 +356,69 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
         res.ideal_hit_tokens += ideal
         seen.update(req.hash_ids)
         frontier = store.space(seq).committed
-        return _Running(req, seq, frontier, req.prompt + req.output, ck)
+        return _Running(req, seq, frontier, req.prompt + req.output, ck, req.prompt)
+
+
+def _grow(store: KVStore, cache: LruRetention, res: SimResult, running: list[_Running],
+          queue: list[Request], swapped: dict[int, tuple[Swapped, _Running]], k: int) -> set[int]:
+    """Top up every running request's lease for this round (§6.2). While some cannot grow:
+    the retention policy frees checkpoints; else the most recently admitted request is
+    preempted (vLLM's victim) and re-queued first. A request swapped to the host tier frees
+    its page groups only when its copy publishes (the next boundary): the requests still
+    short then wait a round. Returns the sequences that do not step this round."""
+    g = store.grow(k)
+    while g.exhausted:
+        action = cache.make_room(store)
+        if action is not None:
+            res.demotions += action == "demote"
+            res.evictions += action == "release"
+        elif len(running) > 1:
+            victim = running.pop()
+            sw = swap_out(store, victim.seq, victim.req.prompt + victim.req.output + k - 1)
+            res.swaps += 1
+            swapped[victim.req.rid] = (sw, victim)
+            queue.insert(0, victim.req)
+            if sw.offloaded:
+                return set(g.exhausted) - {victim.seq}
+            # still on the device: the retention policy may keep it (a later swap_in) or
+            # release it (a recompute) — its prompt blocks are a prefix like any other
+            cache.retain(sw.checkpoint, victim.req.hash_ids, victim.parent)
+        else:
+            return set(g.exhausted)
+        g = store.grow(k)
+    return set()
+
+
+def _resume(store: KVStore, swapped: dict[int, tuple[Swapped, _Running]], rid: int,
+            cache: LruRetention, res: SimResult, timed: Callable[..., Any],
+            k: int) -> _Running | None:
+    """Re-admit a preempted request: swap its checkpoint back in, or — when the retention
+    policy released it meanwhile — prefill its committed tokens again (recompute)."""
+    sw, old = swapped[rid]
+    front = sw.frontier["main"]
+    while True:
+        alive = sw.offloaded or sw.checkpoint in cache.entries
+        try:
+            if alive:
+                seq = timed(swap_in, store, sw)
+            else:
+                seq = timed(store.activate, front, sw.budget - front)
+            break
+        except CapacityExhausted:
+            action = timed(cache.make_room, store)
+            if action is None:
+                return None
+            res.demotions += action == "demote"
+            res.evictions += action == "release"
+    del swapped[rid]
+    if alive:
+        res.swap_ins += 1
+        if sw.checkpoint in cache.entries:
+            cache.forget(sw.checkpoint)   # swap_in consumed it
+    else:
+        res.recomputed += 1
+    return _Running(old.req, seq, store.space(seq).committed, old.target, old.parent,
+                    0 if alive else front)
 
 
 def _share(store: KVStore, r: _Running, cache: LruRetention, timed: Callable[..., Any],
