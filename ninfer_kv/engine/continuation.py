@@ -216,6 +216,73 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
     return dst
 
 
+def fork_live(store: Txn, bundle: int, frontier: int | None, max_output_tokens: int) -> int:
+    """``KVStore.fork_live``: a new active sequence holding running sequence ``bundle``'s
+    first ``frontier`` tokens (default: its committed frontier in every pool), for n>1
+    sampling or beam search. The whole pages below the frontier are shared (``Share`` into a
+    transient checkpoint, ``Fork`` from it, ``Release`` of it: both sequences keep them,
+    immutable, §9.2); the partial tail's columns are copied from the owner's live tail page into
+    a private page (COW, §9.3) at the next boundary, pinned until then — the owner keeps
+    appending above its committed frontier meanwhile. Planned whole before anything is emitted."""
+    st = store.state
+    bundle = as_int("seq", bundle)
+    max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
+    b = st.bundles.get(bundle)
+    if b is None or not b.active:
+        raise InactiveSpace(f"seq {bundle} is not an active sequence; fork_live forks a running "
+                            "one (continue a checkpoint with activate_from)")
+    spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
+    committed = min(sp.committed for sp in spaces.values())
+    f = committed if frontier is None else as_int("frontier", frontier, lo=0)
+    if f > committed:
+        per_pool = {pool: sp.committed for pool, sp in spaces.items()}
+        raise FrontierError(f"seq {bundle}: fork_live frontier {f} beyond its committed "
+                            f"frontier {committed} (per pool: {per_pool})")
+    total = f + max_output_tokens
+    if total <= 0 or total > store.plan.S:
+        raise FrontierError(f"fork_live: frontier {f} + max_output_tokens {max_output_tokens} = "
+                            f"{total} must be in [1, S={store.plan.S}] (§3.2)")
+    full, tail = divmod(f, P)
+    ck = st.next_bundle if full else -1
+    dst = st.next_bundle + (1 if full else 0)
+    plans: dict[str, tuple[int, int, tuple[int, int, int, int] | None]] = {}
+    for pool, sp in spaces.items():
+        p = st.pools[pool]
+        ent = store.entitlement_pages(pool, f, total)
+        if ent - full > p.available:
+            raise CapacityExhausted(f"pool {pool}: fork_live needs {ent - full} pages, "
+                                    f"{p.available} available")
+        if not p.free_rows:
+            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
+        cow = None
+        if tail:
+            src_slot = sp.member(full)
+            cow = (p.pick_slots(1)[0], p.pick_pages(1)[0], src_slot, int(p.pg_device[src_slot]))
+        plans[pool] = (ent, p.free_rows.first(), cow)
+    events: list[Any] = []
+    if full:
+        events.extend(ev.Share(bundle, ck, pool, full) for pool in plans)
+    for pool, (ent, row, cow) in plans.items():
+        events.append(ev.Activate(dst, pool, ent, row, total, f, full))
+        if cow is not None:
+            events.append(ev.Pin(pool, ev.pack([cow[2]])))
+        if full:
+            events.append(ev.Fork(ck, dst, pool, full, f))
+        if cow is not None:
+            events.append(ev.CopyTail(dst, pool, *cow, tail))
+    events.append(ev.PublishActive(dst))
+    if full:
+        events.extend(ev.Release(ck, pool) for pool in plans)
+    store._emit(*events)
+    for e in events:
+        if isinstance(e, ev.CopyTail):
+            store._effects.append(e)
+            store.stats["cow_copies"] += 1
+    for pool in plans:
+        store._touch(pool, dst, 0)
+    return dst
+
+
 def unrecoverable_reason(st: StoreState, bundle: int) -> str | None:
     """Why an inactive checkpoint cannot survive a restart (None = every page has a published,
     epoch-matching host replica covering its committed columns, spec §5.1)."""

@@ -269,6 +269,14 @@ class KVStore(StoreCore):
         self._usable("share_prefix")
         return continuation.share_prefix(self, bundle, frontier)
 
+    def fork_live(self, bundle: int, max_output_tokens: int, frontier: int | None = None) -> int:
+        """A new active sequence continuing running sequence ``bundle`` at token ``frontier``
+        (default: its committed frontier) — n>1 sampling, beam search. Whole pages are shared,
+        the partial tail is COW-copied from the owner's page at the next boundary (§9.2-9.3).
+        Returns the new sequence's id."""
+        self._usable("fork_live")
+        return continuation.fork_live(self, bundle, frontier, max_output_tokens)
+
     def release(self, checkpoint: int) -> None:
         """Drop a checkpoint's references; leases free with their last reference (§8.3). A
         page a queued copy still reads stays pinned until the boundary has run the copy."""

@@ -369,6 +369,18 @@ class SharingMachine(StoreMachine):
             for p in self.pools:
                 self.content[(ck, p)] = self.content[(b, p)][:f // P * P]
 
+    @precondition(lambda self: self.store.active())
+    @rule(data=st.data(), frac=st.floats(0, 1), extra=st.integers(0, 80))
+    def fork_live(self, data, frac: float, extra: int) -> None:  # noqa: ANN001
+        """n>1 sampling: a running sequence forked at a token frontier (tail COW-copied from
+        the owner's live page at the boundary, while the owner may keep writing above it)."""
+        b = data.draw(st.sampled_from(self.actives))
+        f = int(self.committed(b) * frac)
+        dst = self.attempt("fork_live", self.store.fork_live, b, extra, f)
+        if dst is not None:
+            for p in self.pools:
+                self.content[(dst, p)] = self.content[(b, p)][:f]
+
 
 class MtpMachine(StoreMachine):
     backend = Backend.MTP
@@ -382,8 +394,8 @@ EVERY = ("activate", "ensure_mapped_many", "commit_many", "ensure_mapped", "set_
          "trim", "truncate", "finish", "release", "activate_from", "offload", "drop_device",
          "drop_host", "grow", "boundary", "snapshot", "compact", "reopen", "crash",
          "continue_host_only_move", "continue_host_only_fork")
-SHARING_EVERY = ("activate", "commit_many", "share_prefix", "activate_from", "finish",
-                 "release", "offload", "crash", "reopen")
+SHARING_EVERY = ("activate", "commit_many", "share_prefix", "fork_live", "activate_from",
+                 "finish", "release", "offload", "crash", "reopen")
 
 
 @pytest.mark.parametrize("machine,examples,min_steps", [
