@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 
 if TYPE_CHECKING:
+    from ninfer_kv.engine.state import StoreState
     from ninfer_kv.engine.store import KVStore
 
 SEED = b"ninfer-kv prefix index v1"
@@ -168,14 +170,21 @@ class PrefixIndex:
     @classmethod
     def from_store(cls, store: KVStore, key: str = "tokens", block: int = 64) -> PrefixIndex:
         """Rebuild from a store's checkpoints and the token ids each carries in its metadata
-        under ``key`` (``store.set_metadata(ck, {"tokens": ids, ...})``) — after a restart,
-        or from a replayed journal. Tokens beyond a checkpoint's committed frontier are not
-        indexed (they have no KV there); checkpoints without tokens are skipped."""
+        under ``key`` (``store.set_metadata(ck, {"tokens": ids, ...})``) — after a restart.
+        Tokens beyond a checkpoint's committed frontier are not indexed (they have no KV
+        there); checkpoints without tokens are skipped."""
+        return cls.from_state(store.state, key, block)
+
+    @classmethod
+    def from_state(cls, state: StoreState, key: str = "tokens", block: int = 64) -> PrefixIndex:
+        """``from_store`` over a bare store state — ``replay(journal).state``: the index is
+        derived state, so a replayed journal rebuilds the live one."""
         idx = cls(block)
-        for ck in sorted(store.checkpoints()):
-            info = store.checkpoint_info(ck)
-            meta = info.metadata
+        for ck in sorted(b for b, x in state.bundles.items() if not x.active):
+            bundle = state.bundles[ck]
+            meta = msgspec.msgpack.decode(bundle.meta) if bundle.meta else None
             if isinstance(meta, dict) and key in meta:
-                idx.add(ck, _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")[
-                    :info.frontier])
+                pool = "main" if "main" in bundle.pools else bundle.pools[0]
+                frontier = state.pools[pool].spaces[ck].committed
+                idx.add(ck, _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")[:frontier])
         return idx

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ninfer_kv.cache import Match, PrefixIndex
+from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from tests.engine.conftest import crash
 from tests.engine.test_continuation import checkpoint_at, step
@@ -169,3 +170,52 @@ def test_vllm_compatible_keys() -> None:
     assert h2.hex() == "87797cce40bc899a210c476279b129e46173c18a0fd31e8afa53f81c2c443d6d"
     idx.add(3, list(range(100, 228)))
     assert idx.lookup(list(range(100, 200))) == Match(3, 100)
+
+
+def test_rebuilt_by_replay_equals_the_live_index(tmp_path: Path) -> None:
+    """The index is derived state: built incrementally next to a live store (checkpoints
+    retained, continued, shared from a running sequence, released), it equals the one
+    ``from_state`` rebuilds from ``replay(journal).state`` — same entries, same answers."""
+    from ninfer_kv.replay import replay
+    from tests.engine.conftest import small_config
+    from tests.engine.test_continuation import running
+
+    s = KVStore.open(small_config(tmp_path, pages=64, concurrency=6))
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 500, 96).tolist()
+    live = PrefixIndex()
+    made: list[tuple[int, list[int]]] = []
+    for n in (100, 130, 70, 200, 64):
+        toks = (system if n % 20 == 0 else []) + rng.integers(0, 500, 250).tolist()
+        ck = checkpoint_at(s, n)
+        s.set_metadata(ck, {"tokens": toks[:n + 3]})    # tokens beyond the frontier too
+        live.add(ck, toks[:n])
+        made.append((ck, toks))
+    child = s.activate_from(made[0][0], 90, 150, 10)     # continued, then retained
+    s.ensure_mapped(child, "main", 150)
+    step(s)
+    s.commit(child, "main", 150)
+    ck = s.finish(child, retain=True)
+    toks = made[0][1][:90] + rng.integers(0, 500, 60).tolist()
+    s.set_metadata(ck, {"tokens": toks})
+    live.add(ck, toks[:150])
+    owner = running(s, 300, 10)                          # a running sequence's shared prefix
+    s.set_metadata(owner, {"tokens": system * 3})       # active: not an index entry
+    shared = s.share_prefix(owner, 256)
+    s.set_metadata(shared, {"tokens": system * 3})
+    live.add(shared, (system * 3)[:256])
+    for gone in (made[2][0], made[4][0]):
+        s.release(gone)
+        live.remove(gone)
+    step(s)
+    digest = s.digest()
+    s.close()
+    r = replay(str(tmp_path / "journal"))
+    assert r.digest == digest
+    rebuilt = PrefixIndex.from_state(r.state)
+    assert len(rebuilt) == len(live) == 5
+    assert all(c in rebuilt for c, _ in made if c in live)
+    queries = [t[:k] for _, t in made for k in (1, 63, 64, 65, 99, 140, 250)]
+    queries += [system + [9] * 30, (system * 3)[:300], toks, [501, 502]]
+    for q in queries:
+        assert rebuilt.lookup(q) == live.lookup(q), q[:5]
