@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 PEERS = ("ref-paged", "vllm", "nano", "sglang-paged-b", "sglang-token-b")
 OURS = ("ninfer_adapter:NinferAdapter", "ninfer_adapter:NinferNoJournal",
         "peer_adapter:NinferArrays", "peer_adapter:NinferArraysNoJournal",
-        "peer_adapter:NinferSharing")
+        "peer_adapter:NinferSharing", "peer_adapter:NinferGrowth",
+        "peer_adapter:VllmFirstAdmission")
 
 
 def main() -> int:
@@ -53,13 +54,21 @@ def main() -> int:
         res = json.loads(out.read_text())["results"]
     step = {k: v["median"]["us_per_req_step"] for k, v in res.items()}
     hit = {k: v["median"].get("prefix_hit_frac") for k, v in res.items()}
-    peers = {k: s for k, s in step.items() if not k.startswith("ninfer")}
+    first = {k: v["median"].get("first_hit_frac") for k, v in res.items()}
+    pre = {k: v["median"].get("preemptions", 0) for k, v in res.items()}
+    peers = {k: s for k, s in step.items()
+             if not k.startswith("ninfer") and k != "vllm-first"}  # vllm-first: vllm again
     best = min(peers, key=peers.get)  # type: ignore[arg-type]
     print(f"\nµs per request-step (median of {a.repeats}); best peer: {best} "
           f"{peers[best]:.3f}")
     for k in sorted(step, key=step.get):  # type: ignore[arg-type]
         h = "" if hit[k] is None else f"  hit {100 * hit[k]:5.1f}%"
+        if first[k] is not None:
+            h += f" (first admission {100 * first[k]:4.1f}%, {pre[k]:.0f} preemptions)"
         print(f"  {k:16s} {step[k]:7.3f}  x{step[k] / peers[best]:5.2f} of best peer{h}")
+    print("hit: prompt tokens continued from cached KV over all admissions, re-admissions of "
+          "preempted requests included;\nfirst admission: each request's first admission only "
+          "(what the prefix cache reused, whatever the preemption policy)")
     return 0
 
 

@@ -112,10 +112,11 @@ class LruRetention:
     def make_room(self, store: KVStore) -> str | None:
         """Free device pages for one more admission attempt. With a host tier, demote
         (``drop_device``) the first victim whose every page has a published host replica;
-        else release the first victim that is the only holder of some device page. Returns
-        "demote", "release" or None: releasing any retained checkpoint would free no device
-        page (a demoted one frees host memory; one whose pages running sequences or other
-        checkpoints share frees nothing) — so it stays, and its prefix stays findable. Demoted
+        else release the first victim that is the only holder of some device page, else the
+        first holding a device page no running sequence maps (co-held by checkpoints only:
+        it frees when they all go). Returns "demote", "release" or None: every retained
+        device page is mapped by a running sequence (or demoted) — releasing would free
+        nothing, so the checkpoints stay and their prefixes stay findable. Demoted
         entries are skipped without asking the store: a continuation that restores one
         reports it (``restored``)."""
         victims = [ck for ck in self.victims() if not self.entries[ck].demoted]
@@ -128,11 +129,18 @@ class LruRetention:
                     return "demote"
         for ck in victims:
             if store.sole_device_pages(ck):
-                self.forget(ck)
-                store.release(ck)
-                log.debug("retention.release", checkpoint=ck)
-                return "release"
+                return self._release(store, ck)
+        # pages only checkpoints hold, each page by two or more: releasing one is a step
+        for ck in victims:
+            if any(r.idle_device_pages for r in store.checkpoint_info(ck).pools.values()):
+                return self._release(store, ck)
         return None
+
+    def _release(self, store: KVStore, ck: int) -> str:
+        self.forget(ck)
+        store.release(ck)
+        log.debug("retention.release", checkpoint=ck)
+        return "release"
 
     def make_host_room(self, store: KVStore, keep: int | None = None) -> str | None:
         """Free host-arena space (for offloading ``keep``): the first victim other than

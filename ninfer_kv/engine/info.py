@@ -33,6 +33,9 @@ class PoolResidency:
     """Device pages no other sequence or checkpoint references: what releasing it frees
     (§8.3; a page a queued copy pins frees at that boundary). A retention policy evicts
     checkpoints with none last — they free nothing and keep a prefix findable."""
+    idle_device_pages: int = 0
+    """Device pages no active sequence maps: they free once every checkpoint holding them
+    is released (``sole_device_pages`` counts those this one holds alone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +90,10 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
         p = st.pools[name]
         dev, hst = residency(p, sp.slots)
         sole = sole_pages(p, sp.slots)
+        idle = int(np.count_nonzero((p.pg_device[sp.slots] != NO_PAGE)
+                                    & (p.pg_active[sp.slots] == 0)))
         pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
-                                    dev * page_bytes[name], hst * page_bytes[name], sole)
+                                    dev * page_bytes[name], hst * page_bytes[name], sole, idle)
     main = pools.get("main") or next(iter(pools.values()), None)
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena

@@ -170,3 +170,29 @@ def test_make_room_keeps_a_checkpoint_whose_release_would_free_nothing() -> None
     assert store.checkpoint_info(a).pools["main"].sole_device_pages == 1
     assert pol.make_room(store) == "release" and store.checkpoints() == []
     store.check_invariants()
+
+
+def test_make_room_releases_pages_only_checkpoints_co_hold() -> None:
+    """Two checkpoints holding the same page and nothing else, no running sequence: neither is
+    its sole holder, yet releasing both frees it — so make_room releases them in turn."""
+    store = _store(host=False)
+    pol = LruRetention()
+    owner = store.activate(100, 1)
+    store.ensure_mapped(owner, "main", 100)
+    store.commit(owner, "main", 100)
+    a, b = store.share_prefix(owner, 64), store.share_prefix(owner, 64)
+    store.finish(owner)
+    with store.boundary():
+        pass
+    pol.retain(a, (1,))
+    pol.retain(b, (1,))
+    for ck in (a, b):
+        r = store.checkpoint_info(ck).pools["main"]
+        assert (r.sole_device_pages, r.idle_device_pages) == (0, 1)
+    free = store.occupancy()["main"]["available"]
+    assert pol.make_room(store) == "release"              # a step: frees nothing yet
+    assert store.checkpoint_info(b).pools["main"].sole_device_pages == 1
+    assert pol.make_room(store) == "release"
+    assert store.occupancy()["main"]["available"] == free + 1
+    assert pol.make_room(store) is None and store.checkpoints() == []
+    store.check_invariants()

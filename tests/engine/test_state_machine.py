@@ -343,8 +343,9 @@ class StoreMachine(RuleBasedStateMachine):
                 dev = sum(pg.device != NO_PAGE for pg in pages)
                 hst = sum(replica_valid(pg, pg.committed) for pg in pages)
                 sole = sum(pg.device != NO_PAGE and pg.refs == 1 for pg in pages)
-                assert (r.pages, r.device_pages, r.host_pages, r.sole_device_pages) == \
-                    (len(pages), dev, hst, sole), (b, pool)
+                idle = sum(pg.device != NO_PAGE and pg.active_refs == 0 for pg in pages)
+                assert (r.pages, r.device_pages, r.host_pages, r.sole_device_pages,
+                        r.idle_device_pages) == (len(pages), dev, hst, sole, idle), (b, pool)
             survives = (not bundle.active and unrecoverable_reason(st, b) is None
                         and (st.host_persistent == 1
                              or all(r.pages == 0 for r in info.pools.values())))
