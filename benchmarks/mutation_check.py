@@ -99,7 +99,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
-                 "integrations/transformers.py", "dist/replica.py")
+                 "integrations/transformers.py", "dist/replica.py", "cache/preemption.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -161,7 +161,9 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/restart.py", ["tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
                            *ENGINE], MACHINE),
     ("engine/continuation.py", ["tests/engine/test_continuation.py",
-                                "tests/engine/test_share_prefix.py", *ENGINE], MACHINE),
+                                "tests/engine/test_share_prefix.py",
+                                "tests/engine/test_fork_live.py", *ENGINE], MACHINE),
+    ("cache/*.py", ["tests/cache/test_*.py"], ["tests/tools/test_simulate_preemption.py"]),
     ("engine/checked.py", ["tests/engine/test_trust_isolation.py",
                            "tests/kernels/test_store_kernels.py", *ENGINE], MACHINE),
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
@@ -172,6 +174,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("kernels/*.py", KERNELS, MACHINE),
 ]
 SUITE = ["tests/engine/test_*.py", "tests/journal/test_*.py", "tests/kernels/test_*.py",
+         "tests/cache/test_*.py",
          "tests/integrations/test_*.py",
          "tests/tools/test_*.py"]
 SLOW = {"tests/engine/test_crash_soak.py", "tests/kernels/test_ptx.py",

@@ -193,21 +193,30 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
 
 
 
-def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
-    """``KVStore.share_prefix``: validate, then one ``Share`` event per pool of the bundle."""
-    st = store.state
-    bundle = as_int("seq", bundle)
+def _live_frontier(st: StoreState, bundle: int, frontier: int | None, what: str,
+                   hint: str) -> tuple[Any, dict[str, Any], int]:
+    """(bundle, its spaces per pool, frontier) of running sequence ``bundle`` for ``what``:
+    ``frontier`` defaults to, and may not exceed, its committed frontier in every pool."""
     b = st.bundles.get(bundle)
     if b is None or not b.active:
-        raise InactiveSpace(f"seq {bundle} is not an active sequence; share_prefix shares a "
-                            "running one (a finished one is a checkpoint already)")
+        raise InactiveSpace(f"seq {bundle} is not an active sequence; {hint}")
     spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
     committed = min(sp.committed for sp in spaces.values())
     f = committed if frontier is None else as_int("frontier", frontier, lo=0)
     if f > committed:
         per_pool = {pool: sp.committed for pool, sp in spaces.items()}
-        raise FrontierError(f"seq {bundle}: share_prefix frontier {f} beyond its committed "
+        raise FrontierError(f"seq {bundle}: {what} frontier {f} beyond its committed "
                             f"frontier {committed} (per pool: {per_pool})")
+    return b, spaces, f
+
+
+def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
+    """``KVStore.share_prefix``: validate, then one ``Share`` event per pool of the bundle."""
+    st = store.state
+    bundle = as_int("seq", bundle)
+    b, _, f = _live_frontier(st, bundle, frontier, "share_prefix",
+                             "share_prefix shares a running one (a finished one is a "
+                             "checkpoint already)")
     if f < P:
         raise FrontierError(f"seq {bundle}: share_prefix frontier {f} holds no whole page "
                             f"(P={P}); only full, committed pages are shared")
@@ -227,17 +236,9 @@ def fork_live(store: Txn, bundle: int, frontier: int | None, max_output_tokens: 
     st = store.state
     bundle = as_int("seq", bundle)
     max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
-    b = st.bundles.get(bundle)
-    if b is None or not b.active:
-        raise InactiveSpace(f"seq {bundle} is not an active sequence; fork_live forks a running "
-                            "one (continue a checkpoint with activate_from)")
-    spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
-    committed = min(sp.committed for sp in spaces.values())
-    f = committed if frontier is None else as_int("frontier", frontier, lo=0)
-    if f > committed:
-        per_pool = {pool: sp.committed for pool, sp in spaces.items()}
-        raise FrontierError(f"seq {bundle}: fork_live frontier {f} beyond its committed "
-                            f"frontier {committed} (per pool: {per_pool})")
+    _, spaces, f = _live_frontier(st, bundle, frontier, "fork_live",
+                                  "fork_live forks a running one (continue a checkpoint "
+                                  "with activate_from)")
     total = f + max_output_tokens
     if total <= 0 or total > store.plan.S:
         raise FrontierError(f"fork_live: frontier {f} + max_output_tokens {max_output_tokens} = "
