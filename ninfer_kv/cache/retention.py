@@ -112,29 +112,44 @@ class LruRetention:
     def make_room(self, store: KVStore) -> str | None:
         """Free device pages for one more admission attempt. With a host tier, demote
         (``drop_device``) the first victim whose every page has a published host replica;
-        else release the first victim that is the only holder of some device page, else the
-        first holding a device page no running sequence maps (co-held by checkpoints only:
-        it frees when they all go). Returns "demote", "release" or None: every retained
-        device page is mapped by a running sequence (or demoted) — releasing would free
-        nothing, so the checkpoints stay and their prefixes stay findable. Demoted
-        entries are skipped without asking the store: a continuation that restores one
-        reports it (``restored``)."""
-        victims = [ck for ck in self.victims() if not self.entries[ck].demoted]
+        else release the first victim that is the only holder of some device page (a demoted
+        one found holding device pages again is demoted again if it can be), else the first
+        holding a page that only retained checkpoints hold (it frees when they all go).
+        Returns "demote", "release" or None: releasing would free no device page — running
+        sequences or checkpoints this policy does not hold map them — so the checkpoints
+        stay and their prefixes stay findable."""
+        victims = list(self.victims())
         if store.arena is not None:
             for ck in victims:
-                pages, dev, host = residency(store, ck)
-                if dev and host == pages and store.drop_device(ck):
-                    self.entries[ck].demoted = True
-                    log.debug("retention.demote", checkpoint=ck)
+                if not self.entries[ck].demoted and self._demote(store, ck):
                     return "demote"
+        # every victim, demoted ones too: a demotion can be partial (a page a running
+        # sequence mapped stayed), and a sibling's continuation restores shared pages
         for ck in victims:
             if store.sole_device_pages(ck):
+                e = self.entries[ck]
+                if e.demoted:
+                    e.demoted = False
+                    if store.arena is not None and self._demote(store, ck):
+                        return "demote"
                 return self._release(store, ck)
-        # pages only checkpoints hold, each page by two or more: releasing one is a step
-        for ck in victims:
-            if any(r.idle_device_pages for r in store.checkpoint_info(ck).pools.values()):
-                return self._release(store, ck)
+        # pages only retained checkpoints hold, each page by two or more: releasing one of
+        # them is a step (not a page another holder, e.g. an engine's own checkpoint, keeps)
+        if victims:
+            freed = store.reclaimable(victims)
+            for ck in victims:
+                if freed[ck]:
+                    return self._release(store, ck)
         return None
+
+    def _demote(self, store: KVStore, ck: int) -> bool:
+        """Drop ``ck``'s device pages if every page has a published host replica."""
+        pages, dev, host = residency(store, ck)
+        if dev and host == pages and store.drop_device(ck):
+            self.entries[ck].demoted = True
+            log.debug("retention.demote", checkpoint=ck)
+            return True
+        return False
 
     def _release(self, store: KVStore, ck: int) -> str:
         self.forget(ck)
@@ -153,9 +168,11 @@ class LruRetention:
             pages, dev, host = residency(store, ck)
             if not host:
                 continue
-            if dev == pages and store.drop_host(ck):
-                log.debug("retention.drop_host", checkpoint=ck)
-                return "drop_host"
+            if dev == pages:  # cached on the device: it loses only its host replicas
+                if store.drop_host(ck):
+                    log.debug("retention.drop_host", checkpoint=ck)
+                    return "drop_host"
+                continue      # pinned by a queued copy: not now
             self.forget(ck)
             store.release(ck)
             log.debug("retention.release_host", checkpoint=ck)

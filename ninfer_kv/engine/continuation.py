@@ -232,7 +232,9 @@ def fork_live(store: Txn, bundle: int, frontier: int | None, max_output_tokens: 
     transient checkpoint, ``Fork`` from it, ``Release`` of it: both sequences keep them,
     immutable, §9.2); the partial tail's columns are copied from the owner's live tail page into
     a private page (COW, §9.3) at the next boundary, pinned until then — the owner keeps
-    appending above its committed frontier meanwhile. Planned whole before anything is emitted."""
+    appending above its committed frontier meanwhile. Planned whole before anything is emitted.
+    The child's ``parent`` is the transient checkpoint when whole pages were shared (it is in
+    the journal, released by the same record), none when the frontier is below one page."""
     st = store.state
     bundle = as_int("seq", bundle)
     max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,26 @@ def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
 def sole_pages(p: PoolState, slots: np.ndarray) -> int:
     """Device pages among ``slots`` that one address space alone references (refs == 1)."""
     return int(np.count_nonzero((p.pg_device[slots] != NO_PAGE) & (p.pg_refs[slots] == 1)))
+
+
+def reclaimable(store: Txn, bundles: Collection[int]) -> dict[int, int]:
+    """Per bundle of ``bundles``: its device pages that only bundles of ``bundles`` reference
+    — what releasing all of them frees of it. One pass over their memberships per pool."""
+    st = store.state
+    bundles = list(dict.fromkeys(bundles))
+    for b in bundles:
+        if b not in st.bundles:
+            raise UnknownHandle(f"{b} is neither an active sequence nor a checkpoint")
+    out = dict.fromkeys(bundles, 0)
+    for p in st.pools.values():
+        mine = [(b, p.spaces[b].slots) for b in bundles if b in p.spaces]
+        if not mine:
+            continue
+        counts = np.bincount(np.concatenate([sl for _, sl in mine]), minlength=p.n_slots)
+        for b, sl in mine:
+            out[b] += int(np.count_nonzero((p.pg_device[sl] != NO_PAGE)
+                                           & (counts[sl] == p.pg_refs[sl])))
+    return out
 
 
 def sole_device_pages(store: Txn, bundle: int) -> int:

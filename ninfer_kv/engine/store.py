@@ -328,6 +328,13 @@ class KVStore(StoreCore):
             raise StoreClosed("sole_device_pages refused: the store is closed")
         return info.sole_device_pages(self, as_int("checkpoint", bundle))
 
+    def reclaimable(self, bundles: Sequence[int]) -> dict[int, int]:
+        """Per bundle: its device pages only ``bundles`` reference — what releasing all of
+        them together frees of it (pages co-held by several checkpoints and nothing else)."""
+        if self._closed:
+            raise StoreClosed("reclaimable refused: the store is closed")
+        return info.reclaimable(self, [as_int("checkpoint", b) for b in bundles])
+
     def metrics(self) -> info.StoreMetrics:
         """Counters since open and occupancy now (engine/info.py documents each field)."""
         return info.metrics(self)

@@ -32,6 +32,10 @@ from ninfer_kv.errors import CapacityExhausted, HostArenaError, InvalidArgument
 from ninfer_kv.journal.log import SyncPolicy
 
 HASH_BLOCK = 512
+STALL_ROUNDS = 8
+"""Rounds in a row that may neither admit nor step a request (pages a swap-out or demotion
+frees come back at the next boundary) before ``simulate`` reports a livelock instead of
+spinning."""
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"
 
@@ -207,6 +211,7 @@ def simulate(requests: list[Request], opts: SimOptions,
     k = opts.draft_window if opts.mtp else 1
     nxt = next(waiting, None)
     pools = store.pools
+    stalled_rounds = 0
 
     def timed(fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -297,6 +302,12 @@ def simulate(requests: list[Request], opts: SimOptions,
                 _offload(store, ck, cache, res, timed)
         running.extend(admitted)
         res.rounds += 1
+        stalled_rounds = 0 if admitted or steps else stalled_rounds + 1
+        if stalled_rounds > STALL_ROUNDS:  # liveness: every round admits or steps something
+            raise RuntimeError(
+                f"simulate stalled: no request admitted or stepped for {stalled_rounds} rounds "
+                f"({len(running)} running, {len(queue)} queued); occupancy "
+                f"{store.occupancy()['main']}, {len(cache)} retained")
         occ = store.occupancy()["main"]
         used = (occ["allocated"] + occ["reserved"]) / occ["capacity"]
         res.peak_occupancy = max(res.peak_occupancy, used)

@@ -196,3 +196,77 @@ def test_make_room_releases_pages_only_checkpoints_co_hold() -> None:
     assert store.occupancy()["main"]["available"] == free + 1
     assert pol.make_room(store) is None and store.checkpoints() == []
     store.check_invariants()
+
+
+def _host_store() -> KVStore:
+    return KVStore.open(StoreConfig(
+        model=ModelGeometry(layers=1, kv_heads=1, head_dim=64, mtp_layers=0),
+        serving=ServingConfig(max_context=1100, max_concurrency=4), kv_tokens=40 * 64,
+        host_bytes=8 << 20))
+
+
+def test_a_partly_demoted_checkpoint_is_freed_once_its_pages_are_its_own_again() -> None:
+    """Review repro: a demotion leaves the pages a running fork maps; when the fork ends the
+    checkpoint is their sole holder, and make_room must free them (it skipped the entry as
+    'demoted' forever, and the simulator livelocked)."""
+    store = _host_store()
+    pol = LruRetention()
+    ck = _retained(store, 1000)
+    store.offload(ck)
+    with store.boundary():
+        pass
+    pol.retain(ck, (1,))
+    fork = store.activate_from(ck, 1000, 1000, 50)        # maps 15 of its 16 pages
+    with store.boundary():
+        pass
+    assert pol.make_room(store) == "demote"
+    assert store.checkpoint_info(ck).pools["main"].device_pages == 15
+    store.finish(fork)
+    with store.boundary():
+        pass
+    assert store.sole_device_pages(ck) == 15
+    free = store.occupancy()["main"]["available"]
+    assert pol.make_room(store) == "demote"               # demoted again, not skipped
+    with store.boundary():
+        pass
+    assert store.occupancy()["main"]["available"] == free + 15
+    store.check_invariants()
+
+
+def test_make_host_room_never_releases_a_device_resident_checkpoint() -> None:
+    """Review repro: its page pinned by a queued copy, drop_host frees nothing now — the
+    checkpoint is skipped, not released."""
+    store = _host_store()
+    pol = LruRetention()
+    ck = _retained(store, 40)
+    store.offload(ck)
+    with store.boundary():
+        pass
+    pol.retain(ck, (1,))
+    store.activate_from(ck, 30, 30, 10)                   # a queued tail copy pins the page
+    assert pol.make_host_room(store) is None
+    assert ck in store.checkpoints() and ck in pol.entries
+    with store.boundary():
+        pass
+    assert pol.make_host_room(store) == "drop_host"
+    store.check_invariants()
+
+
+def test_the_fallback_leaves_pages_another_holder_keeps() -> None:
+    """Review repro: pages the policy's checkpoint co-holds with one it does not track (an
+    engine's own shared prefix) free nothing when released: make_room keeps it."""
+    store = _host_store()
+    pol = LruRetention()
+    owner = store.activate(640, 10)
+    store.ensure_mapped(owner, "main", 640)
+    store.commit(owner, "main", 640)
+    kept = store.share_prefix(owner, 640)                # the engine's, not the policy's
+    ck = store.finish(owner, retain=True)
+    with store.boundary():
+        pass
+    pol.retain(ck, (1,))
+    r = store.checkpoint_info(ck).pools["main"]
+    assert (r.sole_device_pages, r.idle_device_pages) == (0, 10)
+    assert store.reclaimable([ck]) == {ck: 0} and store.reclaimable([ck, kept])[ck] == 10
+    assert pol.make_room(store) is None and list(pol.entries) == [ck]
+    store.check_invariants()

@@ -350,6 +350,17 @@ class StoreMachine(RuleBasedStateMachine):
                         and (st.host_persistent == 1
                              or all(r.pages == 0 for r in info.pools.values())))
             assert info.survives_restart == survives, b
+        cks = self.checkpoints   # what releasing every checkpoint together frees, per checkpoint
+        got = self.store.reclaimable(cks) if cks else {}
+        for ck in cks:
+            want = 0
+            for pool in st.bundles[ck].pools:
+                p = st.pools[pool]
+                held = [s for c in cks if pool in st.bundles[c].pools
+                        for s in p.spaces[c].members]
+                want += sum(p.pages[s].device != NO_PAGE and held.count(s) == p.pages[s].refs
+                            for s in p.spaces[ck].members)
+            assert got[ck] == want, (ck, got[ck], want)
 
 
 class SharingMachine(StoreMachine):

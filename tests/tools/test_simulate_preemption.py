@@ -47,3 +47,26 @@ def test_without_lease_growth_nothing_is_preempted() -> None:
     assert res.output_tokens == sum(r.output for r in REQS)
     assert res.swaps == 0 and res.refused_admissions > 0   # waits for whole budgets instead
     store.close()
+
+
+def test_review_livelock_repro_finishes(tmp_path: Path) -> None:
+    """Review repro (live sharing, host tier, lease growth, a tiny pool): a partly demoted
+    checkpoint the retention policy then skipped forever stalled the queue head with nothing
+    running. Every output token must come out, and the journal replay the same digest."""
+    rows = [(50, 512, 1097, (200, 201, 202, 203)), (60, 685, 91, (0, 1, 2)),
+            (60, 1006, 642, (100, 101, 102, 103, 104)), (60, 781, 474, (100, 101, 102, 103, 104)),
+            (60, 635, 1408, (100,)), (60, 779, 1241, (100, 101, 102)),
+            (60, 969, 1074, (100, 101, 102, 103, 104)), (60, 125, 113, (0, 1, 2, 3, 4)),
+            (60, 437, 1109, (200, 201)), (70, 343, 387, (0, 1, 2, 3)),
+            (80, 577, 307, (200, 201, 202, 203, 204)), (90, 1350, 693, (200, 201, 202)),
+            (90, 152, 642, (100,)), (100, 1341, 702, (200, 201, 202, 203, 204, 205))]
+    reqs = [Request(i, t, p, o, h) for i, (t, p, o, h) in enumerate(rows)]
+    opts = SimOptions(max_concurrency=2, max_context=2048, kv_tokens=40 * 64, layers=1,
+                      kv_heads=1, head_dim=16, offload=True, share=True, host_bytes=1 << 20,
+                      lease_window=64, journal_dir=str(tmp_path / "j"))
+    store, res = simulate(reqs, opts)
+    store.check_invariants()
+    assert res.output_tokens == sum(r.output for r in reqs)
+    digest = store.digest()
+    store.close()
+    assert replay(str(tmp_path / "j")).digest == digest
