@@ -58,6 +58,24 @@ def per_op(store: KVStore, seqs: int, op: Callable[[], int]) -> float:
     return dt / seqs
 
 
+def map_batch(store: KVStore, seqs: int, prompt: int) -> float:
+    """Seconds per prompt to map ``seqs`` freshly activated prompts in one
+    ``ensure_mapped_many`` call, plus the boundary share (the activations are not timed)."""
+    ids = [store.activate(prompt, OUT) for _ in range(seqs)]
+    with store.boundary():
+        pass
+    t0 = time.perf_counter()
+    store.ensure_mapped_many("main", ids, [prompt] * seqs)
+    with store.boundary():
+        pass
+    dt = time.perf_counter() - t0
+    for b in ids:
+        store.finish(b)
+    with store.boundary():
+        pass
+    return dt / seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=64)
@@ -88,6 +106,7 @@ def main() -> None:
                  f"activate + map a {prompt}-token prompt": map_prompt}
         res = {k: statistics.median(per_op(store, n, op) for _ in range(a.repeats))
                for k, op in cases.items()}
+        batched = statistics.median(map_batch(store, n, prompt) for _ in range(a.repeats))
         store.check_invariants()
         store.close()
     print(f"{n} operations per boundary, median of {a.repeats}; target <= 10 us each")
@@ -95,6 +114,8 @@ def main() -> None:
         print(f"  {k:42s} {v * 1e6:8.2f} us")
     m = res[f"activate + map a {prompt}-token prompt"] - res["activate (fresh)"]
     print(f"  {'mapping alone (difference)':42s} {m * 1e6:8.2f} us")
+    print(f"  {f'mapping, {n} prompts in one call':42s} {batched * 1e6:8.2f} us"
+          "  (ensure_mapped_many + boundary, per prompt)")
 
 
 if __name__ == "__main__":

@@ -127,20 +127,15 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     have = p.sp_nmem[idx]
     grow = np.flatnonzero((t + (P - 1)) // P > have)
     new = (t[grow] + (P - 1)) // P - have[grow]
-    need_b = np.repeat(b[grow], new).tolist()
-    need_n = have[grow].tolist()
-    slots = p.pick_slots(len(need_b))
-    pages = p.pick_pages(len(need_b))
+    need_b = np.repeat(b[grow], new)
+    n = len(need_b)
+    slots = p.pick_slot_array(n)
+    pages = p.free_pages.lowest_array(n)
     tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
-    prev = None
-    i = 0
-    for bj in need_b:
-        if bj != prev:
-            tx._touch(p.name, bj, need_n[i])  # publish from the first new block on
-            i += 1
-            prev = bj
-    tx.stats["materialized"] += len(need_b)
-    return len(need_b)
+    for bj, first in zip(b[grow].tolist(), have[grow].tolist(), strict=True):
+        tx._touch(p.name, bj, first)  # publish from the first new block on
+    tx.stats["materialized"] += n
+    return n
 
 
 # --- 3. frontiers (§8.1, §8.2) ------------------------------------------------------------------

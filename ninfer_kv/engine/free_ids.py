@@ -84,8 +84,12 @@ class FreeIds:
 
     def lowest(self, n: int) -> list[int]:
         """The ``n`` lowest free ids, ascending (fewer if fewer are free)."""
+        return self.lowest_array(n).tolist()
+
+    def lowest_array(self, n: int) -> np.ndarray:
+        """``lowest`` as an int64 array."""
         out, self.lo = _lowest(self.bits, self.lo, min(n, self.n))
-        return out.tolist()
+        return out
 
     def first(self) -> int:
         """The lowest free id (``IndexError`` when none is)."""

@@ -35,12 +35,13 @@ def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.
     """``new_page`` for a batch, as arrays. Slots are reused ones (lowest free first) then
     fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
     by one."""
-    sl = slots.tolist()
     n_old = pool.n_slots
-    reused = [s for s in sl if s < n_old]
-    fresh = sl[len(reused):]
-    if sl[:len(reused)] != reused or fresh != list(range(n_old, n_old + len(fresh))):
-        for s, d, w in zip(sl, devs.tolist(), writers.tolist(), strict=True):
+    old = slots < n_old
+    nr = int(np.count_nonzero(old))
+    reused = slots[:nr]
+    if not old[:nr].all() or not np.array_equal(slots[nr:], np.arange(n_old, n_old + len(slots)
+                                                                      - nr)):
+        for s, d, w in zip(slots.tolist(), devs.tolist(), writers.tolist(), strict=True):
             new_page(pool, s, d, w)
         return
     assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"

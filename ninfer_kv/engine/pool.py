@@ -181,11 +181,13 @@ class PoolState:
 
     def pick_slots(self, n: int) -> list[int]:
         """The n slots a command will use: lowest free ones, then fresh ones."""
-        out = self.free_slots.lowest(n)
-        nxt = self.n_slots
-        while len(out) < n:
-            out.append(nxt)
-            nxt += 1
+        return self.pick_slot_array(n).tolist()
+
+    def pick_slot_array(self, n: int) -> np.ndarray:
+        """``pick_slots`` as an int64 array."""
+        out = self.free_slots.lowest_array(n)
+        if len(out) < n:
+            out = np.concatenate([out, np.arange(self.n_slots, self.n_slots + n - len(out))])
         return out
 
     def pick_pages(self, n: int) -> list[int]:
