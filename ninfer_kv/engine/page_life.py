@@ -36,11 +36,9 @@ def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.
     fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
     by one."""
     n_old = pool.n_slots
-    old = slots < n_old
-    nr = int(np.count_nonzero(old))
-    reused = slots[:nr]
-    if not old[:nr].all() or not np.array_equal(slots[nr:], np.arange(n_old, n_old + len(slots)
-                                                                      - nr)):
+    nr = int(np.count_nonzero(slots < n_old))
+    reused = slots[:nr]  # the reused ones iff the rest are exactly the fresh ones, in order
+    if not np.array_equal(slots[nr:], np.arange(n_old, n_old + len(slots) - nr)):
         for s, d, w in zip(slots.tolist(), devs.tolist(), writers.tolist(), strict=True):
             new_page(pool, s, d, w)
         return

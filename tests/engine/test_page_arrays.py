@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ninfer_kv.engine.page_life import new_page
+from ninfer_kv.engine.page_life import new_page, new_pages
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import page_tuples
@@ -70,3 +72,45 @@ def test_a_space_slots_view_is_read_only(tmp_path: Path) -> None:
         s.space(a, "main").slots[0] = 7
     assert s.digest() == before
     s.close()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(1, 12), st.integers(0, 2**16), st.booleans(), st.booleans())
+def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffle: bool,
+                                                       fresh_first: bool) -> None:
+    """``new_pages`` (Materialize's apply) takes the array path for the order ``pick_slots``
+    hands out and goes one by one otherwise; either way the pool ends as ``new_page`` per
+    page would leave it (pages, free slots, free page groups)."""
+    import copy
+    import random
+
+    import numpy as np
+
+    rng = random.Random(seed)
+    p = PoolState("main", 32, 1, 4)
+    n = rng.randint(k, 20)
+    p.init_pages(list(range(n)), list(range(n)), 0, True)
+    p.free_pages.take(list(range(n)))
+    for s in rng.sample(range(n), rng.randint(0, n)):   # free some slots and page groups
+        p.pg_live[s] = False
+        p.free_slots.give([s])
+        p.free_pages.give([int(p.pg_device[s])])
+        p.pg_device[s] = NO_PAGE
+    slots = p.pick_slot_array(k)
+    devs = p.free_pages.lowest_array(k)
+    if shuffle:
+        reused = int(np.count_nonzero(slots < p.n_slots))
+        head = slots[:reused].tolist()
+        rng.shuffle(head)
+        slots = np.concatenate([np.array(head, np.int64), slots[reused:]])
+    reused = int(np.count_nonzero(slots < p.n_slots))
+    if fresh_first and 0 < reused < k:                   # not pick order: one page at a time
+        slots = np.concatenate([slots[reused:reused + 1], slots[:reused], slots[reused + 1:]])
+    writers = np.array([rng.randint(0, 5) for _ in range(k)], np.int64)
+    a, b = copy.deepcopy(p), copy.deepcopy(p)
+    new_pages(a, slots.astype(np.int32), devs.astype(np.int32), writers)
+    for s, d, w in zip(slots.tolist(), devs.tolist(), writers.tolist(), strict=True):
+        new_page(b, s, d, w)
+    assert page_tuples(a) == page_tuples(b)
+    assert list(a.free_slots) == list(b.free_slots) and list(a.free_pages) == list(b.free_pages)
+    assert a.n_slots == b.n_slots
