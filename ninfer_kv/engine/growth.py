@@ -57,7 +57,10 @@ def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
         idx = pool.bundle_index[ids]
         lead = lead_mtp if name == PoolKind.MTP.value else 0
         committed, ent = pool.sp_committed[idx], pool.sp_entitlement[idx]
-        target = np.minimum(budget, committed + cfg.lease_window + cfg.lease_cushion) + lead
+        # the window tops up at least the step about to launch (a window shorter than a
+        # speculative step would otherwise never cover it, however free the pool)
+        window = max(cfg.lease_window, step_tokens)
+        target = np.minimum(budget, committed + window + cfg.lease_cushion) + lead
         want = np.maximum(np.minimum(pool.logical_pages, -(-target // P)) - ent, 0)
         before = np.cumsum(want) - want          # granted to earlier sequences, if all fit
         got = np.clip(pool.available - before, 0, want)

@@ -17,7 +17,8 @@ from tests.engine.conftest import small_config
 
 def oracle(store: KVStore, step_tokens: int) -> tuple[list[tuple[str, list[int], list[int]]],
                                                       dict[int, int]]:
-    """The loop growth.grow used before the arrays (ac36cac), emitting nothing."""
+    """The loop growth.grow used before the arrays (ac36cac), emitting nothing — with the
+    later fix that the window tops up at least the step (``max(lease_window, step)``)."""
     cfg, st = store.config, store.state
     lead_mtp = cfg.serving.draft_window - 1
     active = sorted(b for b, x in st.bundles.items() if x.active)
@@ -30,7 +31,8 @@ def oracle(store: KVStore, step_tokens: int) -> tuple[list[tuple[str, list[int],
         for b in active:
             sp = pool.spaces[b]
             budget = st.bundles[b].budget or store.plan.S
-            target = min(budget, sp.committed + cfg.lease_window + cfg.lease_cushion) + lead
+            window = max(cfg.lease_window, step_tokens)
+            target = min(budget, sp.committed + window + cfg.lease_cushion) + lead
             want = min(pool.logical_pages, ceil_div(target, P)) - sp.entitlement
             got = max(0, min(want, available))
             if got:
@@ -95,3 +97,22 @@ def test_grow_matches_the_loop(seed: int, pages: int) -> None:
     assert granted and (exhausted or pages == 40)  # the branches under test ran
     s.close()
 
+
+@pytest.mark.parametrize("window,cushion", [(1, 64), (1, 0), (3, 0), (4, 0)])
+def test_a_window_shorter_than_the_step_still_grows(window: int, cushion: int) -> None:
+    """Review repro: MTP steps 4 tokens; with lease_window < 4 the grant target stayed below
+    what the step needs, so a sequence near a page edge was 'exhausted' on every round with
+    the pool nearly empty (the simulator livelocked)."""
+    s = KVStore.open(small_config(None, pages=40, backend=Backend.MTP, lease_growth=True,
+                                  lease_window=window, lease_cushion=cushion))
+    seq = s.activate(64 * 3 - 2, 500)                    # its frontier near a page edge
+    for pool in s.pools:
+        s.ensure_mapped(seq, pool, 64 * 3 - 2 + (3 if pool == "mtp" else 0))
+    with s.boundary():
+        pass
+    for pool in s.pools:
+        s.commit(seq, pool, 64 * 3 - 2)
+    assert s.grow(4).exhausted == {}
+    for pool in s.pools:                                 # and the step then maps
+        s.ensure_mapped(seq, pool, 64 * 3 + 2 + (3 if pool == "mtp" else 0))
+    s.check_invariants()

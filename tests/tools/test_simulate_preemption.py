@@ -70,3 +70,13 @@ def test_review_livelock_repro_finishes(tmp_path: Path) -> None:
     digest = store.digest()
     store.close()
     assert replay(str(tmp_path / "j")).digest == digest
+
+
+def test_mtp_with_a_window_shorter_than_the_draft_finishes() -> None:
+    """Second review repro: MTP steps 4 tokens, lease_window 1 — grow never covered the step
+    and the run stalled with the pool nearly empty."""
+    opts = dataclasses.replace(OPTS, mtp=True, lease_window=1, offload=True)
+    store, res = simulate(REQS[:3], opts)
+    store.check_invariants()
+    assert res.output_tokens == sum(r.output for r in REQS[:3])
+    store.close()
