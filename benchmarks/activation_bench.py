@@ -43,6 +43,14 @@ def open_store(seqs: int, prompt: int, journal_dir: str) -> tuple[KVStore, int]:
     return store, ck
 
 
+def finish_all(store: KVStore, ids: list[int]) -> None:
+    """Release the measured sequences (untimed), so the next batch finds the same room."""
+    for b in ids:
+        store.finish(b)
+    with store.boundary():
+        pass
+
+
 def per_op(store: KVStore, seqs: int, op: Callable[[], int]) -> float:
     """Seconds per ``op`` including its share of the boundary; the sequences are finished
     (untimed) afterwards."""
@@ -51,10 +59,7 @@ def per_op(store: KVStore, seqs: int, op: Callable[[], int]) -> float:
     with store.boundary():
         pass
     dt = time.perf_counter() - t0
-    for b in ids:
-        store.finish(b)
-    with store.boundary():
-        pass
+    finish_all(store, ids)
     return dt / seqs
 
 
@@ -69,10 +74,7 @@ def map_batch(store: KVStore, seqs: int, prompt: int) -> float:
     with store.boundary():
         pass
     dt = time.perf_counter() - t0
-    for b in ids:
-        store.finish(b)
-    with store.boundary():
-        pass
+    finish_all(store, ids)
     return dt / seqs
 
 
