@@ -15,7 +15,7 @@ Victim order (``victims``), first to go first:
 
 With a host tier, device room comes first from demoting a fully offloaded victim
 (``drop_device``: its pages live on in host memory and a later continuation restores them),
-then from releasing a victim that holds device pages; host room (``make_host_room``) from
+then from releasing the sole holder of some device page; host room (``make_host_room``) from
 dropping a device-resident victim's host replicas, else releasing a demoted victim. Either way
 the least valuable checkpoint goes first, and nothing is released that frees nothing.
 """
