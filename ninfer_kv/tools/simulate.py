@@ -33,9 +33,9 @@ from ninfer_kv.journal.log import SyncPolicy
 
 HASH_BLOCK = 512
 STALL_ROUNDS = 8
-"""Rounds in a row that may neither admit nor step a request (pages a swap-out or demotion
-frees come back at the next boundary) before ``simulate`` reports a livelock instead of
-spinning."""
+"""Rounds in a row that may neither step a request nor admit a new one (pages a swap-out or
+demotion frees come back at the next boundary) before ``simulate`` reports a livelock instead
+of spinning."""
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"
 
@@ -229,7 +229,7 @@ def simulate(requests: list[Request], opts: SimOptions,
             continue
         # running requests grow first (as vLLM schedules them before waiting ones); no
         # admission in a round that preempted (as vLLM)
-        swaps = res.swaps
+        swaps, first_admissions = res.swaps, res.requests
         stalled: set[int] = set()
         if opts.lease_growth and running:
             stalled = timed(_grow, store, cache, res, running, queue, swapped, k)
@@ -302,10 +302,13 @@ def simulate(requests: list[Request], opts: SimOptions,
                 _offload(store, ck, cache, res, timed)
         running.extend(admitted)
         res.rounds += 1
-        stalled_rounds = 0 if admitted or steps else stalled_rounds + 1
-        if stalled_rounds > STALL_ROUNDS:  # liveness: every round admits or steps something
+        # liveness: a round steps a request or admits a new one (a resume alone is no
+        # progress: resume -> preempt could cycle forever)
+        progressed = bool(steps) or res.requests > first_admissions
+        stalled_rounds = 0 if progressed else stalled_rounds + 1
+        if stalled_rounds > STALL_ROUNDS:
             raise RuntimeError(
-                f"simulate stalled: no request admitted or stepped for {stalled_rounds} rounds "
+                f"simulate stalled: no request stepped or newly admitted for {stalled_rounds} rounds "
                 f"({len(running)} running, {len(queue)} queued); occupancy "
                 f"{store.occupancy()['main']}, {len(cache)} retained")
         occ = store.occupancy()["main"]
