@@ -19,11 +19,11 @@ Which sequence to preempt is the caller's choice (the store never selects, §1).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import structlog
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import HostArenaError, InvalidArgument
 
@@ -44,8 +44,8 @@ def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
     """Preempt active sequence ``seq`` whose request may reach ``budget`` tokens (prompt +
     max output). Refusals (unknown or inactive ``seq``, a budget below its frontier) change
     nothing."""
-    seq = operator.index(seq)
-    budget = operator.index(budget)
+    seq = as_int("seq", seq)
+    budget = as_int("budget", budget)
     frontier = {pool: store.space(seq, pool).committed for pool in store.pools}
     if budget <= max(frontier.values()):
         raise InvalidArgument(f"swap_out: budget {budget} must exceed seq {seq}'s committed "

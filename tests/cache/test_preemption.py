@@ -97,7 +97,8 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
     a = running(s, 600, 100)
     digest = s.digest()
     for bad, err in (((a, 600), InvalidArgument), ((a, 10), InvalidArgument),
-                     ((999, 700), UnknownHandle), ((a, "700"), TypeError)):
+                     ((999, 700), UnknownHandle), ((a, "700"), InvalidArgument),
+                     ((True, 700), InvalidArgument)):
         with pytest.raises(err):
             swap_out(s, *bad)
         assert s.digest() == digest
