@@ -32,6 +32,7 @@ class FirstAdmission:
     more; this one measures what the prefix cache itself reused."""
 
     hit_tokens: int
+    prompt_tokens: int
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[call-arg]
@@ -49,7 +50,9 @@ class FirstAdmission:
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(),  # type: ignore[misc]
-                "first_hit_frac": self.first_hit / max(1, self.first_prompt)}
+                "first_hit_frac": self.first_hit / max(1, self.first_prompt),
+                # what the engine prefills: every admission's prompt less its prefix hit
+                "prefill_tokens": self.prompt_tokens - self.hit_tokens}
 
 
 class VllmFirstAdmission(FirstAdmission, VLLMAdapter):

@@ -56,6 +56,7 @@ def main() -> int:
     hit = {k: v["median"].get("prefix_hit_frac") for k, v in res.items()}
     first = {k: v["median"].get("first_hit_frac") for k, v in res.items()}
     pre = {k: v["median"].get("preemptions", 0) for k, v in res.items()}
+    fill = {k: v["median"].get("prefill_tokens") for k, v in res.items()}
     peers = {k: s for k, s in step.items()
              if not k.startswith("ninfer") and k != "vllm-first"}  # vllm-first: vllm again
     best = min(peers, key=peers.get)  # type: ignore[arg-type]
@@ -64,11 +65,13 @@ def main() -> int:
     for k in sorted(step, key=step.get):  # type: ignore[arg-type]
         h = "" if hit[k] is None else f"  hit {100 * hit[k]:5.1f}%"
         if first[k] is not None:
-            h += f" (first admission {100 * first[k]:4.1f}%, {pre[k]:.0f} preemptions)"
+            h += (f" (first admission {100 * first[k]:4.1f}%, {pre[k]:.0f} preemptions, "
+                  f"{fill[k] / 1e6:.3f}M tokens prefilled)")
         print(f"  {k:16s} {step[k]:7.3f}  x{step[k] / peers[best]:5.2f} of best peer{h}")
     print("hit: prompt tokens continued from cached KV over all admissions, re-admissions of "
           "preempted requests included;\nfirst admission: each request's first admission only "
-          "(what the prefix cache reused, whatever the preemption policy)")
+          "(what the prefix cache reused, whatever the preemption policy);\nprefilled: prompt "
+          "tokens computed over all admissions (what preemption and misses cost the engine)")
     return 0
 
 
