@@ -50,7 +50,7 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
     sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
     pool.reserved += e.entitlement - e.held
-    pool.free_rows.take([e.row])
+    pool.free_rows.remove(e.row)
     pool.row_owner[e.row] = e.bundle
     b = st.bundles.get(e.bundle)
     if b is None:
@@ -201,10 +201,11 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    shared = members_of(pool, src)[:e.full_pages]
+    assert e.full_pages <= src.nmem, f"Fork of {e.src}: {e.full_pages} pages > its membership"
+    shared = pool.sp_members[src.i, :e.full_pages].astype(I64)
     assert pool.pg_live[shared].all(), f"Fork of {e.src}: a dead page in its membership"
-    np.add.at(pool.pg_refs, shared, 1)
-    np.add.at(pool.pg_active, shared, 1)
+    pool.pg_refs[shared] += 1    # a membership holds a slot once: no repeated index
+    pool.pg_active[shared] += 1
     dst.members = shared
     dst.committed = dst.provisional = e.full_pages * P
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected

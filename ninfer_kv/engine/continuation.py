@@ -24,8 +24,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ninfer_kv.engine import host
 from ninfer_kv.engine.args import as_int, one_of
 from ninfer_kv.engine.layout import P, ceil_div
@@ -78,11 +76,12 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     if total > store.plan.S:
         raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} > "
                             f"S={store.plan.S} (§3.2)")
-    hook = store.fault_hook or (lambda step, pool: None)
+    hook = store.fault_hook  # fault injection (tests): called before each step, per pool
     dst = st.next_bundle
     plans: dict[str, dict[str, Any]] = {}
     for pool in store.pools:                                    # 1. create / claim
-        hook("create", pool)
+        if hook:
+            hook("create", pool)
         if pool not in src_bundle.pools:
             raise UnknownHandle(f"checkpoint {checkpoint} has no address space in pool {pool}")
         f = frontiers[pool]
@@ -95,26 +94,32 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         plans[pool] = {"frontier": f,
                        "entitlement": store.entitlement_pages(pool, prompt_tokens, total)}
     for pool, pl in plans.items():                              # 2. reserve
-        hook("reserve", pool)
+        if hook:
+            hook("reserve", pool)
         p = st.pools[pool]
         sp = p.spaces[checkpoint]
         f = pl["frontier"]
         span = ceil_div(f, P)
         mem = sp.slots
-        private = bool((p.pg_refs[mem] == 1).all())
-        move = mode == "move" or (mode == "auto" and not keep_source and private)
-        if move and not private:
+        move = mode == "move" or (mode == "auto" and not keep_source)
+        if move:  # a Move takes the pages over: none may have another reference (§9.1)
             shared = mem[p.pg_refs[mem] > 1].tolist()
-            raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} refused: "
-                                       f"pages {shared[:8]} still have surviving references (§9.1)")
+            if shared and mode == "auto":
+                move = False        # auto: Fork instead
+            elif shared:
+                raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} "
+                                           f"refused: pages {shared[:8]} still have surviving "
+                                           "references (§9.1)")
         if move and keep_source:
             raise WritePermissionError(f"Move of checkpoint {checkpoint} refused: the caller keeps "
                                        "the source, so it would survive (§9.1); use fork")
         held = span if move else f // P
         tail = not move and f % P != 0
-        # pages this activation needs on the device: the held prefix and a COW source tail
-        needed = np.concatenate([mem[:held], mem[f // P:f // P + 1] if tail else mem[:0]])
-        missing = needed[p.pg_device[needed] == NO_PAGE].tolist()
+        # pages this activation needs on the device: the held prefix and, for a Fork at a
+        # mid-page frontier, the COW source tail — block f // P, right after the prefix
+        needed = mem[:held + tail]
+        dev = p.pg_device[needed]
+        missing = needed[dev == NO_PAGE].tolist() if len(dev) and dev.min() < 0 else []
         need = pl["entitlement"] - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
@@ -122,7 +127,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                                     "available")
         pl.update(move=move, held=held, tail=tail, missing=missing)
     for pool, pl in plans.items():                              # 3. restore Host-only pages
-        hook("restore", pool)
+        if hook:
+            hook("restore", pool)
         p = st.pools[pool]
         f = pl["frontier"]
         block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)} if pl["missing"] \
@@ -133,13 +139,15 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                 raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} has "
                                     "neither a device replica nor a valid host replica for "
                                     f"{cols} columns (§5.1)")
-        picks = p.pick_pages(len(pl["missing"]) + (1 if pl["tail"] else 0))
+        n = len(pl["missing"]) + (1 if pl["tail"] else 0)
+        picks = p.pick_pages(n) if n else []
         pl["restored"] = dict(zip(pl["missing"], picks, strict=False))
         pl["cow_page"] = picks[-1] if pl["tail"] else -1
     cows: dict[str, tuple[int, int, int, int]] = {}
     for pool, pl in plans.items():                              # 4/5. Move or Fork, COW tail
-        hook("move_fork", pool)
-        hook("cow", pool)
+        if hook:
+            hook("move_fork", pool)
+            hook("cow", pool)
         p = st.pools[pool]
         if pl["tail"]:
             src_slot = p.spaces[checkpoint].member(pl["frontier"] // P)
@@ -148,14 +156,16 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             cows[pool] = (p.pick_slots(1)[0], pl["cow_page"], src_slot, src_page)
     rows = {}
     for pool in plans:                                          # 6. lease rows
-        hook("rows", pool)
+        if hook:
+            hook("rows", pool)
         p = st.pools[pool]
         if not p.free_rows:
             raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
         rows[pool] = p.free_rows.first()
     for pool in plans:                                          # 7/8. tables, publish
-        hook("tables", pool)
-        hook("publish", pool)
+        if hook:
+            hook("tables", pool)
+            hook("publish", pool)
     # --- everything is planned: emit -------------------------------------------------------------
     events: list[Any] = []
     for pool, pl in plans.items():

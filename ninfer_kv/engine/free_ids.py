@@ -93,6 +93,8 @@ class FreeIds:
 
     def first(self) -> int:
         """The lowest free id (``IndexError`` when none is)."""
+        if self.n and self.bits[self.lo]:  # ``lo`` bounds the lowest free id from below
+            return self.lo
         got = self.lowest(1)
         if not got:
             raise IndexError("no free id")
@@ -133,7 +135,11 @@ class FreeIds:
         self.give([i])
 
     def remove(self, i: int) -> None:
-        self.take([i])
+        """``take([i])`` for one id, without the array round trip."""
+        if not (0 <= i < len(self.bits) and self.bits[i]):
+            self.take([i])  # raises the ValueError that names the rule
+        self.bits[i] = False
+        self.n -= 1
 
     def grow(self, size: int) -> None:
         """Room for ids below ``size`` (new ids are not free)."""
