@@ -63,6 +63,12 @@ def _stage(views: list[torch.Tensor], k: int, slot: int, device: torch.device
     return out
 
 
+def stage(store: KVStore, pool: str, k: int, slot: int, device: torch.device
+          ) -> list[torch.Tensor]:
+    """Staging ``slot`` shaped for a chunk of ``k`` pages of ``pool`` (one tensor per plane)."""
+    return _stage(plane_views(store, pool), k, slot, device)
+
+
 def gather(store: KVStore, pool: str, pages: list[LogicalKVPage], slot: int,
            device: torch.device) -> list[torch.Tensor]:
     """Per plane, ``pages``' slices as one contiguous ``[k, H, row bytes]`` tensor on

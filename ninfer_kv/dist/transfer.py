@@ -18,6 +18,13 @@ keeps: a crash of either side mid-transfer leaves the receiver without the check
 recv (the peer dropped) or a CRC mismatch aborts: the sequence finishes without retain and every
 page and row it held goes back to the pools; nothing is published.
 
+A side that fails by itself mid-transfer (an exception that is not the wire's) keeps the wire
+in step instead of leaving its peer blocked until the group's timeout: the receiver drains the
+chunks still coming, then answers "aborted" with its reason; the sender sends the chunks it
+still owes as zeros with the CRC ``-1`` (no CRC-32C is negative), which the receiver reads as
+"the sender aborted". Both raise ``TransferAborted`` naming the side that failed and why, and
+the next transfer on the same group starts clean.
+
 Gloo moves CPU tensors (pages are packed to the CPU); on an NCCL group the chunks stay on the
 CUDA device (the CRC is then computed on a host copy).
 """
@@ -37,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferError, TransferRefused
-from ninfer_kv.dist.packing import crcs, gather, scatter, targets
+from ninfer_kv.dist.packing import crcs, gather, scatter, stage, targets
 from ninfer_kv.dist.wire import recv_bytes, send_bytes, wire_device
 from ninfer_kv.engine import host
 from ninfer_kv.engine.layout import P, ceil_div
@@ -48,6 +55,8 @@ from ninfer_kv.errors import KVStoreError, StoreClosed
 log = structlog.get_logger(__name__)
 
 MAGIC, VERSION = "NKVT", 1
+ABORTED = -1
+"""The CRC a sender sends for each page of a chunk it could not produce (it failed mid-transfer)."""
 DEFAULT_CHUNK = 16 << 20
 """Bytes per chunk (rounded down to whole pages, at least one page)."""
 ChunkHook = Callable[[str, int, list[torch.Tensor]], None]
@@ -149,6 +158,7 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
         _recv_status(dst, group, "header")
         dev = wire_device(group)
         chunks = moved = 0
+        failed: BaseException | None = None
         for name, _, pages in pools:
             pb, step = pbs[name], per[name]
             inflight: list[list[Any]] = [[], []]
@@ -157,18 +167,32 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
                 slot = ci % 2
                 for w in inflight[slot]:  # staging `slot` may hold the chunk before last
                     w.wait()
-                chunk = gather(store, name, pages[a:a + k], slot, dev)
-                if on_chunk is not None:
-                    on_chunk(name, ci, chunk)
+                chunk: list[torch.Tensor] | None = None
+                if failed is None:
+                    try:
+                        chunk = gather(store, name, pages[a:a + k], slot, dev)
+                        if on_chunk is not None:
+                            on_chunk(name, ci, chunk)
+                    except Exception as exc:  # ours, not the wire's: owe the rest, "aborted"
+                        failed, chunk = exc, None
+                if chunk is None:
+                    chunk = [t.zero_() for t in stage(store, name, k, slot, dev)]
                 # the bytes go first; their CRCs are computed while they are on the wire
                 works = [dist.isend(c, dst, group=group) for c in chunk]
-                sums = torch.tensor(crcs(chunk), dtype=torch.int64, device=dev)
+                sums = torch.tensor(crcs(chunk) if failed is None else [ABORTED] * k,
+                                    dtype=torch.int64, device=dev)
                 inflight[slot] = [*works, dist.isend(sums, dst, group=group)]
                 chunks += 1
                 moved += k * pb
             for ws in inflight:
                 for w in ws:
                     w.wait()
+        if failed is not None:
+            with contextlib.suppress(KVStoreError):
+                _recv_status(dst, group, "checkpoint")  # the receiver's "aborted"
+            raise TransferAborted(f"export of checkpoint {ck} to rank {dst} failed on this "
+                                  f"side mid-transfer, nothing published: "
+                                  f"{type(failed).__name__}: {failed}") from failed
         done = _recv_status(dst, group, "checkpoint")
     except RuntimeError as exc:  # torch.distributed: the peer dropped, a timeout
         raise TransferAborted(f"export of checkpoint {ck} to rank {dst} failed mid-transfer: "
@@ -256,29 +280,46 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
 
     bad: str | None = None
     moved = 0
+    failed: BaseException | None = None  # ours, not the wire's: drain, then raise it
     if plan:
         post(0)
     for ci, (name, a, ids, pb) in enumerate(plan):
         sums, chunk, in_place, works = posted.pop(ci)
-        for w in works:
-            w.wait()
-        if ci + 1 < len(plan):
-            post(ci + 1)
-        idx = ci - next(i for i, c in enumerate(plan) if c[0] == name)
-        if on_chunk is not None:
-            on_chunk(name, idx, chunk)
+        try:
+            for w in works:
+                w.wait()
+            if ci + 1 < len(plan):
+                post(ci + 1)
+        except RuntimeError as exc:  # the wire: nothing more will arrive
+            raise _WireError(str(exc)) from exc
         moved += len(ids) * pb
-        if bad is not None:
+        if bad is not None or failed is not None:
             continue
-        got, want = crcs(chunk), sums.cpu().tolist()
-        for i, (g, w) in enumerate(zip(got, [x & 0xFFFFFFFF for x in want], strict=True)):
-            if g != w:
-                bad = (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received bytes "
-                       f"!= sender's {w:#010x}")
-                break
-        if bad is None and not in_place:
-            scatter(store, name, ids, chunk)
+        try:
+            idx = ci - next(i for i, c in enumerate(plan) if c[0] == name)
+            if on_chunk is not None:
+                on_chunk(name, idx, chunk)
+            want = sums.cpu().tolist()
+            if min(want) < 0:
+                bad = f"the sender aborted at pool {name} block {a}"
+                continue
+            got = crcs(chunk)
+            for i, (g, w) in enumerate(zip(got, [x & 0xFFFFFFFF for x in want], strict=True)):
+                if g != w:
+                    bad = (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received "
+                           f"bytes != sender's {w:#010x}")
+                    break
+            if bad is None and not in_place:
+                scatter(store, name, ids, chunk)
+        except Exception as exc:
+            failed = exc
+    if failed is not None:
+        raise failed
     return moved, len(plan), bad
+
+
+class _WireError(RuntimeError):
+    """A recv failed: the peer is gone or the group timed out."""
 
 
 def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook | None = None
@@ -320,16 +361,32 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
             moved, chunks, bad = _receive(store, seq, pools, src, group, on_chunk)
     except BaseException as exc:
         _abort(store, seq)
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if not isinstance(exc, _WireError):  # every chunk arrived: the sender waits for this
+            with contextlib.suppress(RuntimeError):
+                _status(src, group, ok=False, kind="aborted", error=why)
         raise TransferAborted(f"import from rank {src} aborted mid-transfer, nothing published "
-                              f"and every reserved page freed: {type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:300]}") from exc
+                              f"and every reserved page freed: {why}") from exc
     if bad is not None:
         _abort(store, seq)
+        kind = "aborted" if bad.startswith("the sender aborted") else "corrupt"
         with contextlib.suppress(RuntimeError):
-            _status(src, group, ok=False, kind="corrupt", error=bad)
+            _status(src, group, ok=False, kind=kind, error=bad)
+        if kind == "aborted":
+            raise TransferAborted(f"import from rank {src}: {bad}; checkpoint not published, "
+                                  "its pages freed")
         raise TransferCorrupt(f"import from rank {src}: {bad}; checkpoint not published, its "
                               "pages freed (§5.3: verify before publish)")
-    ck = _publish(store, seq, pools, h)
+    try:
+        ck = _publish(store, seq, pools, h)
+    except BaseException as exc:  # the sender waits for an answer: give it one
+        b = store.state.bundles.get(seq)
+        if b is not None and b.active and not store.closed:  # not retained: free it
+            _abort(store, seq)
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, kind="aborted",
+                    error=f"publication failed: {type(exc).__name__}: {exc}")
+        raise
     with contextlib.suppress(RuntimeError):
         _status(src, group, ok=True, checkpoint=ck)
     dt = time.perf_counter() - t0

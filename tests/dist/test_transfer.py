@@ -51,3 +51,26 @@ def test_sender_killed_mid_transfer_leaves_receiver_clean(tmp_path: Path) -> Non
     assert b["after"]["violations"] == []
     assert b["reopened"]["checkpoints"] == [] and b["reopened"]["violations"] == []
     assert b["reopened"]["occupancy"]["main"]["allocated"] == 0
+
+
+def test_a_side_failing_by_itself_mid_transfer_tells_the_other(tmp_path: Path) -> None:
+    """Regression: a receiver whose own code raised mid-transfer stopped posting receives, so
+    the sender blocked in its sends until the group's timeout (30 minutes by default) and
+    then reported a timeout; a sender failing the same way left the receiver blocked."""
+    assert w.launch(w.abort_worker, str(tmp_path)) == [0, 0]
+    a, b = load(tmp_path, "a0.json"), load(tmp_path, "a1.json")
+    # (1) the receiver's hook raised: both abort, the sender with the receiver's reason
+    assert b["errors"][0].startswith("TransferAborted") and "hook failed on rank 1" in \
+        b["errors"][0], b["errors"]
+    assert a["errors"][0].startswith("TransferAborted") and "rank 1" in a["errors"][0] \
+        and "hook failed on rank 1" in a["errors"][0], a["errors"]
+    # (2) the sender's hook raised: both abort, the receiver hears that the sender aborted
+    assert "hook failed on rank 0" in a["errors"][1], a["errors"]
+    assert b["errors"][1].startswith("TransferAborted") and "sender aborted" in \
+        b["errors"][1], b["errors"]
+    for side in (a, b):  # nothing published, nothing leaked
+        assert side["states"][0] == side["states"][1] == side["before"]
+        assert side["before"]["violations"] == []
+    # (3) the wire stayed in step: the next transfer goes through
+    pages = -(-w.PROMPT // 64)
+    assert a["third"] == b["third"] == pages and b["third_info"] == w.PROMPT

@@ -298,3 +298,44 @@ def kill_worker(rank: int, port: int, out: str) -> None:
     again.close()
     dump(Path(out) / f"k{rank}.json", res)
     dist.destroy_process_group()
+
+
+def abort_worker(rank: int, port: int, out: str) -> None:
+    """A side that fails by itself mid-transfer (its hook raises at chunk 1): (1) the receiver,
+    (2) the sender. Both raise TransferAborted naming who failed and why — the peer is not
+    left blocked until the group's timeout — nothing is published or leaked, and (3) the
+    next transfer on the same group succeeds."""
+    from ninfer_kv.dist import TransferAborted, export, import_
+
+    init(rank, port)
+    store = KVStore.open(config(checked=True))
+    page = store.plan.layout.pools[next(iter(store.plan.layout.pools))].page_bytes
+    res: dict[str, Any] = {"errors": []}
+
+    def boom(pool: str, idx: int, data: list[torch.Tensor]) -> None:
+        if idx == 1:
+            raise ValueError(f"hook failed on rank {rank}")
+
+    ck = prefill(store, PROMPT, seed=7) if rank == 0 else None
+    res["before"] = state_of(store)
+    for hooked in (1, 0):
+        hook = boom if rank == hooked else None
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                export(store, ck, 1, chunk_bytes=page, on_chunk=hook)  # type: ignore[arg-type]
+            else:
+                import_(store, 0, on_chunk=hook)
+        except TransferAborted as exc:
+            res["errors"].append(f"TransferAborted: {exc}")
+        res.setdefault("seconds", []).append(time.monotonic() - t0)
+        res.setdefault("states", []).append(state_of(store))
+    if rank == 0:
+        res["third"] = export(store, ck, 1, chunk_bytes=page).pages  # type: ignore[arg-type]
+    else:
+        rep = import_(store, 0)
+        res["third"] = rep.pages
+        res["third_info"] = store.checkpoint_info(rep.checkpoint).frontier
+    store.close()
+    dump(Path(out) / f"a{rank}.json", res)
+    dist.destroy_process_group()
