@@ -168,18 +168,29 @@ class PrefixIndex:
         return best
 
     @classmethod
-    def from_store(cls, store: KVStore, key: str = "tokens", block: int = 64) -> PrefixIndex:
+    def from_store(cls, store: KVStore, key: str = "tokens", block: int | None = None, *,
+                   like: PrefixIndex | None = None) -> PrefixIndex:
         """Rebuild from a store's checkpoints and the token ids each carries in its metadata
         under ``key`` (``store.set_metadata(ck, {"tokens": ids, ...})``) — after a restart.
         Tokens beyond a checkpoint's committed frontier are not indexed (they have no KV
-        there); checkpoints without tokens are skipped."""
-        return cls.from_state(store.state, key, block)
+        there); checkpoints without tokens are skipped. The keys are hashed as ``like``
+        hashes them (its block size, chain hash and seed: pass the index being replaced,
+        e.g. ``PrefixIndex.vllm()``, so rebuilt keys still match a router's); without it,
+        the default BLAKE2b chain in blocks of ``block`` (64)."""
+        return cls.from_state(store.state, key, block, like=like)
 
     @classmethod
-    def from_state(cls, state: StoreState, key: str = "tokens", block: int = 64) -> PrefixIndex:
+    def from_state(cls, state: StoreState, key: str = "tokens", block: int | None = None, *,
+                   like: PrefixIndex | None = None) -> PrefixIndex:
         """``from_store`` over a bare store state — ``replay(journal).state``: the index is
         derived state, so a replayed journal rebuilds the live one."""
-        idx = cls(block)
+        if like is None:
+            idx = cls(64 if block is None else block)
+        elif block is not None and as_int("block", block) != like.block:
+            raise InvalidArgument(f"from_state: block={block} differs from like.block="
+                                  f"{like.block}; the keys are hashed as like hashes them")
+        else:
+            idx = cls(like.block, like._chain_fn, like._seed)
         for ck in sorted(b for b, x in state.bundles.items() if not x.active):
             bundle = state.bundles[ck]
             meta = msgspec.msgpack.decode(bundle.meta) if bundle.meta else None

@@ -219,3 +219,23 @@ def test_rebuilt_by_replay_equals_the_live_index(tmp_path: Path) -> None:
     queries += [system + [9] * 30, (system * 3)[:300], toks, [501, 502]]
     for q in queries:
         assert rebuilt.lookup(q) == live.lookup(q), q[:5]
+
+
+def test_rebuilt_with_the_hash_of_the_index_it_replaces(tmp_path: Path) -> None:
+    """Regression: ``from_store`` rebuilt every index with the default BLAKE2b chain in blocks
+    of 64, so an engine publishing vLLM block hashes to a router got other keys after a
+    restart. ``like=`` rebuilds with the replaced index's block size, hash and seed."""
+    s = host_store(tmp_path)
+    live = PrefixIndex.vllm(block=16)
+    toks = list(range(300, 400))
+    ck = checkpoint_at(s, 90)
+    s.set_metadata(ck, {"tokens": toks})
+    live.add(ck, toks[:90])
+    rebuilt = PrefixIndex.from_store(s, like=live)
+    assert rebuilt.block == 16 and rebuilt._keys[ck] == live._keys[ck]
+    assert len(rebuilt._keys[ck]) == 90 // 16
+    assert rebuilt.lookup(toks[:50] + [1]) == live.lookup(toks[:50] + [1]) == Match(ck, 50)
+    assert PrefixIndex.from_store(s)._keys[ck] != live._keys[ck]  # the default: other keys
+    with pytest.raises(InvalidArgument, match="block=64 differs from like.block=16"):
+        PrefixIndex.from_store(s, block=64, like=live)
+    s.close()
