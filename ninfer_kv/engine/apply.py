@@ -72,9 +72,8 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     assert len(b) == len(slots) == len(devs), f"Materialize of {e.pool}: lengths differ"
     if not len(b):
         return
-    assert b.min() >= 0 and b.max() < len(pool.bundle_index), f"Materialize in {e.pool}: {b}"
-    idx = pool.bundle_index[b]
-    assert (idx >= 0).all(), f"Materialize for a seq without a space in {e.pool}: {b}"
+    idx, j = rk.space_index(b, pool.bundle_index)
+    assert j < 0, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
     new_pages(pool, slots, devs, b)
     pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)

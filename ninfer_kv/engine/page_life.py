@@ -32,20 +32,30 @@ def new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVP
 
 def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
                ) -> None:
-    """``new_page`` for a batch, as arrays. Slots are reused ones (lowest free first) then
-    fresh ones in order, as ``PoolState.pick_slots`` hands them out; any other order goes one
-    by one."""
-    n_old = pool.n_slots
-    nr = int(np.count_nonzero(slots < n_old))
-    reused = slots[:nr]  # the reused ones iff the rest are exactly the fresh ones, in order
-    if not np.array_equal(slots[nr:], np.arange(n_old, n_old + len(slots) - nr)):
-        for s, d, w in zip(slots.tolist(), devs.tolist(), writers.tolist(), strict=True):
-            new_page(pool, s, d, w)
+    """``new_page`` for a batch, as arrays and two compiled loops: the free lists first (each
+    slot a free one or the next never-used one, each page group free, in event order; on a
+    violation nothing changes and ``ValueError`` names it), then the page fields."""
+    if not len(slots):
         return
-    assert not pool.pg_live[reused].any(), f"a reused slot of {pool.name} is live: {reused}"
-    pool.free_slots.take(reused)
-    pool.free_pages.take(devs[devs != NO_PAGE])
-    pool.init_pages(slots, devs, writers, True)
+    n_old = pool.n_slots
+    j, reused, taken, n_new = rk.take_new_pages(slots, devs, n_old, pool.free_slots.bits,
+                                                pool.free_pages.bits, pool.pg_live)
+    if j >= 0:
+        raise ValueError(f"{pool.name}: new page {j} in slot {int(slots[j])} with page group "
+                         f"{int(devs[j])}: the slot is neither free (and dead) nor the next "
+                         f"unused one ({n_old} + pages before it), or the page group is not "
+                         "free")
+    pool.free_slots.n -= reused
+    pool.free_pages.n -= taken
+    if n_new > n_old:
+        pool.ensure_slot(n_new - 1)
+        pool.n_slots = n_new
+    assert not (pool.host_of and any(s in pool.host_of for s in slots.tolist())), \
+        f"{pool.name}: a new page's slot still records a host replica"
+    w = writers if isinstance(writers, np.ndarray) else np.full(len(slots), writers, I64)
+    rk.init_new_pages(slots, devs, w, 1, pool.pg_live, pool.pg_epoch, pool.pg_committed,
+                      pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
+                      pool.pg_device, pool.pg_pins)
 
 
 def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:

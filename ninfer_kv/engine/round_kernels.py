@@ -149,3 +149,78 @@ def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> n
             out[k] = s
             k += 1
     return np.unique(out[:k])
+
+
+@njit(nogil=True)
+def take_new_pages(slots: np.ndarray, devs: np.ndarray, n_slots: int, slot_bits: np.ndarray,
+                   page_bits: np.ndarray, pg_live: np.ndarray) -> tuple[int, int, int, int]:
+    """The free-list half of ``new_pages`` (``apply(Materialize)``), in event order: slot
+    ``slots[j]`` is a free, dead slot below ``n_slots`` or the next never-used one, and
+    ``devs[j]`` (unless -1) a free page group; each leaves its free list. Returns (j, slots
+    reused, page groups taken, the new ``n_slots``): ``j`` = -1, or the first element that
+    breaks the rule, and then nothing is taken (a damaged journal)."""
+    nxt = n_slots
+    reused = taken = 0
+    bad = -1
+    for j in range(slots.shape[0]):
+        s, d = slots[j], devs[j]
+        if s == nxt:
+            nxt += 1
+        elif 0 <= s < n_slots and s < slot_bits.shape[0] and slot_bits[s] and not pg_live[s]:
+            slot_bits[s] = False
+            reused += 1
+        else:
+            bad = j
+            break
+        if d != -1:
+            if 0 <= d < page_bits.shape[0] and page_bits[d]:
+                page_bits[d] = False
+                taken += 1
+            else:
+                if s < n_slots:
+                    slot_bits[s] = True
+                bad = j
+                break
+    if bad < 0:
+        return -1, reused, taken, nxt
+    for k in range(bad):  # undo: nothing taken
+        s, d = slots[k], devs[k]
+        if s < n_slots:
+            slot_bits[s] = True
+        if d != -1:
+            page_bits[d] = True
+    return bad, 0, 0, n_slots
+
+
+@njit(nogil=True)
+def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, active: int,
+                   pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
+                   pg_protected: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray,
+                   pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray) -> None:
+    """``PoolState.init_pages`` in one loop: one reference, nothing committed or protected,
+    no pin; generations kept."""
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        pg_live[s] = True
+        pg_epoch[s] = 0
+        pg_committed[s] = 0
+        pg_protected[s] = 0
+        pg_refs[s] = 1
+        pg_active[s] = active
+        pg_writer[s] = writers[j]
+        pg_device[s] = devs[j]
+        pg_pins[s] = 0
+
+
+@njit(nogil=True)
+def space_index(bundles: np.ndarray, bundle_index: np.ndarray) -> tuple[np.ndarray, int]:
+    """(space index of each bundle, -1) — or the first bundle without a space in the pool
+    (a damaged journal). A bundle may repeat (one sequence, several new pages)."""
+    idx = np.empty(bundles.shape[0], np.int64)
+    for j in range(bundles.shape[0]):
+        b = bundles[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if i < 0:
+            return idx, j
+        idx[j] = i
+    return idx, -1

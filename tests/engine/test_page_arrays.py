@@ -78,9 +78,9 @@ def test_a_space_slots_view_is_read_only(tmp_path: Path) -> None:
 @given(st.integers(1, 12), st.integers(0, 2**16), st.booleans(), st.booleans())
 def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffle: bool,
                                                        fresh_first: bool) -> None:
-    """``new_pages`` (Materialize's apply) takes the array path for the order ``pick_slots``
-    hands out and goes one by one otherwise; either way the pool ends as ``new_page`` per
-    page would leave it (pages, free slots, free page groups)."""
+    """``new_pages`` (Materialize's apply, compiled) leaves the pool as ``new_page`` per page
+    would (pages, free slots, free page groups), in the order ``pick_slots`` hands out and in
+    any other."""
     import copy
     import random
 
@@ -114,3 +114,51 @@ def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffl
     assert page_tuples(a) == page_tuples(b)
     assert list(a.free_slots) == list(b.free_slots) and list(a.free_pages) == list(b.free_pages)
     assert a.n_slots == b.n_slots
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(1, 8), st.integers(0, 2**16), st.sampled_from(
+    ["live slot", "skipped fresh slot", "taken page group", "page group twice", "slot twice"]))
+def test_new_pages_refuses_a_damaged_batch_and_changes_nothing(k: int, seed: int,
+                                                              damage: str) -> None:
+    """A Materialize from a damaged journal (a live slot, a fresh slot out of order, a page
+    group not free, one id twice): ``ValueError`` naming the element, and the pool as it
+    was — no slot or page group left taken."""
+    import copy
+    import random
+
+    import numpy as np
+
+    rng = random.Random(seed)
+    p = PoolState("main", 32, 1, 4)
+    n = rng.randint(2, 16)
+    p.init_pages(list(range(n)), list(range(n)), 0, True)
+    p.free_pages.take(list(range(n)))
+    for s in rng.sample(range(1, n), rng.randint(1, n - 1)):  # slot 0 stays live
+        p.pg_live[s] = False
+        p.free_slots.give([s])
+        p.free_pages.give([int(p.pg_device[s])])
+        p.pg_device[s] = NO_PAGE
+    slots = p.pick_slot_array(k).astype(np.int32)
+    devs = p.free_pages.lowest_array(k).astype(np.int32)
+    j = rng.randrange(k)
+    if damage == "live slot":
+        slots[j] = 0
+    elif damage == "skipped fresh slot":
+        slots[j] = p.n_slots + k + 3
+    elif damage == "taken page group":
+        devs[j] = int(p.pg_device[0])
+    elif damage == "page group twice" and k > 1:
+        devs[j] = devs[(j + 1) % k]
+    elif damage == "slot twice" and k > 1:
+        slots[j] = slots[(j + 1) % k]
+    else:
+        slots[j] = 0
+    before = copy.deepcopy(p)
+    with pytest.raises(ValueError, match="new page"):
+        new_pages(p, slots, devs, np.zeros(k, np.int64))
+    assert page_tuples(p) == page_tuples(before) and p.n_slots == before.n_slots
+    assert list(p.free_slots) == list(before.free_slots)
+    assert list(p.free_pages) == list(before.free_pages)
+    assert len(p.free_slots) == len(before.free_slots)
+    assert len(p.free_pages) == len(before.free_pages)
