@@ -57,8 +57,12 @@ def applying(seq: int, index: int, event: Any) -> Iterator[None]:
 
 
 def apply_event(st: StoreState, event: Any, seq: int, index: int) -> None:
-    with applying(seq, index, event):
+    """``apply`` one journaled event; a failure is ``UnappliableRecord`` naming the record
+    (``applying`` without a context manager per event: replay's hot loop)."""
+    try:
         apply(st, event)
+    except APPLY_ERRORS as exc:
+        raise UnappliableRecord(seq, index, type(event).__name__, exc) from None
 
 
 def replay_start(reader: JournalReader, until: int | None = None) -> tuple[StoreState, int]:
