@@ -60,22 +60,30 @@ def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.
 
 def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
     """Of ``slots``, the pages with no reference and no pin are garbage: free their device
-    and host replicas and recycle the slots, advancing their generations (§5.3)."""
+    and host replicas and recycle the slots, advancing their generations (§5.3). A garbage
+    slot that is not live, or whose slot or page group is free already, is a damaged journal:
+    ``ValueError``, nothing freed."""
     dead = rk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
     if not len(dead):
         return
-    assert pool.pg_live[dead].all(), f"{pool.name}: freeing free slots {dead.tolist()}"
-    dev = pool.pg_device[dead]
-    pool.free_pages.give(dev[dev != NO_PAGE])
-    pool.pg_device[dead] = NO_PAGE
     if pool.host_of:
-        for s in dead.tolist():
-            h = pool.host_of.pop(s, None)
+        hosts = [pool.host_of.get(s) for s in dead.tolist()]
+    j, freed, low, low_slot = rk.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
+                                           pool.free_pages.bits, pool.free_slots.bits)
+    if j >= 0:
+        raise ValueError(f"{pool.name}: freeing slot {int(dead[j])} (page group "
+                         f"{int(pool.pg_device[dead[j]])}): not live, or the slot or page "
+                         "group is free already")
+    pool.free_pages.n += freed
+    if freed:
+        pool.free_pages.lo = min(pool.free_pages.lo, low)
+    pool.free_slots.n += len(dead)
+    pool.free_slots.lo = min(pool.free_slots.lo, low_slot)
+    if pool.host_of:
+        for s, h in zip(dead.tolist(), hosts, strict=True):
             if h is not None:
+                del pool.host_of[s]
                 st.host.free(h[0])  # type: ignore[union-attr]
-    pool.pg_live[dead] = False
-    pool.pg_gen[dead] += 1
-    pool.free_slots.give(dead)
 
 
 def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
@@ -83,10 +91,7 @@ def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle
     """``bundle``'s space drops its references to ``slots`` (an active space also its
     writer right); pages left without references are collected."""
     slots = np.asarray(slots, I64)
-    np.subtract.at(pool.pg_refs, slots, 1)
-    if active:
-        np.subtract.at(pool.pg_active, slots, 1)
-        pool.pg_writer[slots[pool.pg_writer[slots] == bundle]] = NO_PAGE
+    rk.unref_slots(slots, bundle, active, pool.pg_refs, pool.pg_active, pool.pg_writer)
     collect(st, pool, slots)
 
 

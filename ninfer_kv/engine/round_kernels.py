@@ -224,3 +224,50 @@ def space_index(bundles: np.ndarray, bundle_index: np.ndarray) -> tuple[np.ndarr
             return idx, j
         idx[j] = i
     return idx, -1
+
+
+@njit(nogil=True)
+def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_refs: np.ndarray,
+                pg_active: np.ndarray, pg_writer: np.ndarray) -> None:
+    """A space drops its references to ``slots`` (an active space also its writer right):
+    ``unref``'s counting half, a slot listed twice counted twice."""
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        pg_refs[s] -= 1
+        if active:
+            pg_active[s] -= 1
+            if pg_writer[s] == bundle:
+                pg_writer[s] = -1
+
+
+@njit(nogil=True)
+def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
+              pg_gen: np.ndarray, page_bits: np.ndarray, slot_bits: np.ndarray
+              ) -> tuple[int, int, int, int]:
+    """``collect``'s freeing half for the distinct garbage slots ``dead``: device page groups
+    and slots back to their free lists, generations advanced (§5.3). Checked first: every
+    slot live and not free, every page group in range and not free — else (j, 0, 0, 0) with
+    the first bad index and nothing changed. Returns (-1, page groups freed, lowest page
+    group freed or -1, lowest slot)."""
+    for j in range(dead.shape[0]):
+        s = dead[j]
+        d = pg_device[s]
+        if not pg_live[s] or s >= slot_bits.shape[0] or slot_bits[s]:
+            return j, 0, 0, 0
+        if d != -1 and (d < 0 or d >= page_bits.shape[0] or page_bits[d]):
+            return j, 0, 0, 0
+    freed = 0
+    low = -1
+    for j in range(dead.shape[0]):
+        s = dead[j]
+        d = pg_device[s]
+        if d != -1:
+            page_bits[d] = True
+            freed += 1
+            if low < 0 or d < low:
+                low = d
+        pg_device[s] = -1
+        pg_live[s] = False
+        pg_gen[s] += 1
+        slot_bits[s] = True
+    return -1, freed, low, dead[0] if dead.shape[0] else -1
