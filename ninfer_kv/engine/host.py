@@ -150,9 +150,12 @@ def drop_device(store: Txn, checkpoint: int) -> int:
 
 def drop_host(store: Txn, checkpoint: int) -> int:
     """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
-    host arena extents; the checkpoint stays device-resident). Returns pages dropped."""
+    host arena extents; the checkpoint stays device-resident). Returns pages dropped. A page
+    another inactive checkpoint also holds keeps its replica: that checkpoint's restart
+    survival rests on it (§5.3), and dropping it would take the survival from a checkpoint
+    the caller did not name. Nor is a pinned page's, which a queued copy may read."""
     sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE
-                  and pg.pins == 0)  # a pinned page's host replica may be what a copy reads
+                  and pg.pins == 0 and pg.refs - pg.active_refs <= 1)
     store._emit(*(ev.HostDrop(pool, pack(slots)) for pool, slots in sel))
     return sum(len(slots) for _, slots in sel)
 

@@ -142,6 +142,33 @@ def test_drop_host_frees_extents_and_reoffload(tmp_path: Path) -> None:
     s.close()
 
 
+def test_drop_host_keeps_the_replicas_another_checkpoint_survives_on(tmp_path: Path) -> None:
+    """Regression (review): K, a shared prefix offloaded and reported durable, and V, the
+    owner's retained checkpoint holding the same pages plus a tail. ``drop_host(V)`` dropped
+    the shared pages' replicas too, so K no longer survived a reopen though nothing named
+    it. Now only V's own pages lose their replica, and a reopen keeps K."""
+    s = host_store(tmp_path)
+    owner = s.activate(700, 10)
+    s.ensure_mapped(owner, "main", 700)
+    step(s)
+    s.commit(owner, "main", 700)
+    k = s.share_prefix(owner, 640)
+    v = s.finish(owner, retain=True)
+    assert v is not None
+    s.offload(k)
+    s.offload(v)
+    step(s)
+    assert s.checkpoint_info(k).survives_restart and s.checkpoint_info(v).survives_restart
+    assert s.drop_host(v) == 1              # the tail page, V's alone
+    step(s)
+    assert s.checkpoint_info(k).survives_restart
+    assert not s.checkpoint_info(v).survives_restart
+    crash(s)
+    again = host_store(tmp_path)
+    assert again.checkpoints() == [k] and again.violations() == []
+    again.close()
+
+
 def test_copy_source_is_pinned_until_the_boundary_ran_the_copy(tmp_path: Path) -> None:
     """Fork+release drops the source tail's last reference before the boundary; the queued
     COW copy pins it, so a later restore in the same record cannot reuse its page group, and
