@@ -160,8 +160,9 @@ class LruRetention:
     def make_host_room(self, store: KVStore, keep: int | None = None) -> str | None:
         """Free host-arena space (for offloading ``keep``): the first victim other than
         ``keep`` that holds host replicas loses them — ``drop_host`` when every page is still
-        on the device (the checkpoint stays cached there), else it is released. Returns
-        "drop_host", "release" or None (nothing in the host tier to free)."""
+        on the device (the checkpoint stays cached there), else it is released, if that frees
+        an extent (a page it holds alone). Returns "drop_host", "release" or None (nothing in
+        the host tier to free)."""
         for ck in self.victims():
             if ck == keep:
                 continue
@@ -172,7 +173,10 @@ class LruRetention:
                 if store.drop_host(ck):
                     log.debug("retention.drop_host", checkpoint=ck)
                     return "drop_host"
-                continue      # pinned by a queued copy: not now
+                continue      # pinned by a queued copy, or every replica another's too
+            pools = store.checkpoint_info(ck).pools.values()
+            if not any(r.sole_host_pages for r in pools):
+                continue      # its extents are other holders' too: releasing frees nothing
             self.forget(ck)
             store.release(ck)
             log.debug("retention.release_host", checkpoint=ck)

@@ -37,6 +37,9 @@ class PoolResidency:
     idle_device_pages: int = 0
     """Device pages no active sequence maps: they free once every checkpoint holding them
     is released (``sole_device_pages`` counts those this one holds alone)."""
+    sole_host_pages: int = 0
+    """Pages holding a host-arena extent (published or being copied) that no other sequence
+    or checkpoint references: what releasing it frees in the host tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +96,13 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
         sole = sole_pages(p, sp.slots)
         idle = int(np.count_nonzero((p.pg_device[sp.slots] != NO_PAGE)
                                     & (p.pg_active[sp.slots] == 0)))
+        sole_host = 0
+        if p.host_of:
+            sole_host = sum(1 for s, r in zip(sp.slots.tolist(), p.pg_refs[sp.slots].tolist(),
+                                              strict=True) if r == 1 and s in p.host_of)
         pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
-                                    dev * page_bytes[name], hst * page_bytes[name], sole, idle)
+                                    dev * page_bytes[name], hst * page_bytes[name], sole, idle,
+                                    sole_host)
     main = pools.get("main") or next(iter(pools.values()), None)
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena

@@ -270,3 +270,35 @@ def test_the_fallback_leaves_pages_another_holder_keeps() -> None:
     assert store.reclaimable([ck]) == {ck: 0} and store.reclaimable([ck, kept])[ck] == 10
     assert pol.make_room(store) is None and list(pol.entries) == [ck]
     store.check_invariants()
+
+
+def test_make_host_room_keeps_a_checkpoint_whose_release_frees_no_extent() -> None:
+    """Review repro: the policy's checkpoint, offloaded and off the device, holds only pages
+    an engine-kept shared prefix holds too: releasing it frees no host byte, so make_host_room
+    keeps it (it released it and lost the prefix for nothing)."""
+    store = _host_store()
+    pol = LruRetention()
+    owner = store.activate(640, 10)
+    store.ensure_mapped(owner, "main", 640)
+    store.commit(owner, "main", 640)
+    kept = store.share_prefix(owner, 640)                # the engine's, not the policy's
+    ck = store.finish(owner, retain=True)
+    with store.boundary():
+        pass
+    store.offload(ck, drop_device=True)
+    with store.boundary():
+        pass
+    pol.retain(ck, (1,))
+    r = store.checkpoint_info(ck).pools["main"]
+    assert (r.device_pages, r.host_pages, r.sole_host_pages) == (0, 10, 0)
+    used = store.metrics().host_used
+    assert pol.make_host_room(store) is None and list(pol.entries) == [ck]
+    store.release(kept)                                  # now its extents are its own
+    with store.boundary():
+        pass
+    assert store.checkpoint_info(ck).pools["main"].sole_host_pages == 10
+    assert pol.make_host_room(store) == "release"
+    with store.boundary():
+        pass
+    assert store.metrics().host_used < used and ck not in store.checkpoints()
+    store.check_invariants()

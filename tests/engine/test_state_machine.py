@@ -344,8 +344,10 @@ class StoreMachine(RuleBasedStateMachine):
                 hst = sum(replica_valid(pg, pg.committed) for pg in pages)
                 sole = sum(pg.device != NO_PAGE and pg.refs == 1 for pg in pages)
                 idle = sum(pg.device != NO_PAGE and pg.active_refs == 0 for pg in pages)
+                sole_host = sum(pg.host is not None and pg.refs == 1 for pg in pages)
                 assert (r.pages, r.device_pages, r.host_pages, r.sole_device_pages,
-                        r.idle_device_pages) == (len(pages), dev, hst, sole, idle), (b, pool)
+                        r.idle_device_pages, r.sole_host_pages) == (
+                            len(pages), dev, hst, sole, idle, sole_host), (b, pool)
             survives = (not bundle.active and unrecoverable_reason(st, b) is None
                         and (st.host_persistent == 1
                              or all(r.pages == 0 for r in info.pools.values())))
