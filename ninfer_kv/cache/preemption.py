@@ -42,15 +42,16 @@ class Swapped:
 
 def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
     """Preempt active sequence ``seq`` whose request may reach ``budget`` tokens (prompt +
-    max output). Refusals (unknown or inactive ``seq``, a budget below its frontier) change
-    nothing."""
+    max output). Refusals (unknown or inactive ``seq``, a budget not above its frontier or
+    above S) change nothing."""
     seq = as_int("seq", seq)
     budget = as_int("budget", budget)
     frontier = {pool: store.space(seq, pool).committed for pool in store.pools}
-    if budget <= max(frontier.values()):
+    if not max(frontier.values()) < budget <= store.plan.S:
         raise InvalidArgument(f"swap_out: budget {budget} must exceed seq {seq}'s committed "
                               f"frontier {max(frontier.values())} (a resumed sequence needs "
-                              "room for at least one more token)")
+                              f"room for at least one more token) and be at most "
+                              f"S={store.plan.S} (§3.2: swap_in could never resume it)")
     ck = store.finish(seq, retain=True, reason="preempted")
     assert ck is not None
     offloaded = store.arena is not None
@@ -66,7 +67,9 @@ def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
 
 def swap_in(store: KVStore, swapped: Swapped) -> int:
     """Resume a swapped-out sequence; returns its new sequence id. ``CapacityExhausted``
-    (nothing changed) when the device cannot hold its pages and budget yet."""
+    (nothing changed) when the device cannot hold its pages and budget yet. Its pages keep
+    their host replicas (a later ``swap_out`` reuses the ones still valid) until
+    ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
     prompt = max(swapped.frontier.values())
     seq = store.activate_from(swapped.checkpoint, dict(swapped.frontier), prompt,
                               swapped.budget - prompt, keep_source=False)

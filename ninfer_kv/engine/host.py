@@ -73,12 +73,15 @@ def _checkpoint(store: Txn, checkpoint: int) -> list[str]:
     return list(b.pools)
 
 
-def _select(store: Txn, checkpoint: int, keep: Callable[[LogicalKVPage], bool]
-            ) -> list[tuple[str, list[int]]]:
-    """(pool, slots) of an inactive checkpoint's pages that ``keep`` accepts."""
+def _select(store: Txn, checkpoint: int, keep: Callable[[LogicalKVPage], bool],
+            active: bool = False) -> list[tuple[str, list[int]]]:
+    """(pool, slots) of an inactive checkpoint's pages that ``keep`` accepts (``active``:
+    of an active sequence's too)."""
     st = store.state
     out = []
-    for pool in _checkpoint(store, checkpoint):
+    b = st.bundles.get(checkpoint)
+    pools = list(b.pools) if active and b is not None else _checkpoint(store, checkpoint)
+    for pool in pools:
         p = st.pools[pool]
         slots = [s for s in p.spaces[checkpoint].members
                  if (pg := p.pages[s]) is not None and keep(pg)]
@@ -148,14 +151,20 @@ def drop_device(store: Txn, checkpoint: int) -> int:
     return sum(len(slots) for _, slots in sel) + scheduled
 
 
-def drop_host(store: Txn, checkpoint: int) -> int:
-    """Drop the host replicas of a checkpoint's pages that still have a device replica (frees
-    host arena extents; the checkpoint stays device-resident). Returns pages dropped. A page
-    another inactive checkpoint also holds keeps its replica: that checkpoint's restart
-    survival rests on it (§5.3), and dropping it would take the survival from a checkpoint
-    the caller did not name. Nor is a pinned page's, which a queued copy may read."""
-    sel = _select(store, checkpoint, lambda pg: pg.host is not None and pg.device != NO_PAGE
-                  and pg.pins == 0 and pg.refs - pg.active_refs <= 1)
+def drop_host(store: Txn, bundle: int) -> int:
+    """Drop the host replicas of a checkpoint's — or an active sequence's — pages that still
+    have a device replica (frees host arena extents; the pages stay device-resident). Returns
+    pages dropped. A page another inactive checkpoint also holds keeps its replica: that
+    checkpoint's restart survival rests on it (§5.3), and dropping it would take the survival
+    from a checkpoint the caller did not name. Nor is a pinned page's, which a queued copy
+    may read. An active sequence's replicas come from a Move of an offloaded checkpoint
+    (``swap_in``): they are a cache for a later offload, not durability."""
+    b = store.state.bundles.get(bundle)
+    if b is None:
+        raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
+    others = 0 if b.active else 1  # the inactive holders a page may have: the target itself
+    sel = _select(store, bundle, lambda pg: pg.host is not None and pg.device != NO_PAGE
+                  and pg.pins == 0 and pg.refs - pg.active_refs <= others, active=True)
     store._emit(*(ev.HostDrop(pool, pack(slots)) for pool, slots in sel))
     return sum(len(slots) for _, slots in sel)
 

@@ -362,10 +362,11 @@ class KVStore(StoreCore):
         self._usable("drop_device")
         return host.drop_device(self, as_int("checkpoint", checkpoint))
 
-    def drop_host(self, checkpoint: int) -> int:
-        """Free the host extents of a checkpoint that still lives on the device."""
+    def drop_host(self, bundle: int) -> int:
+        """Free the host extents of a checkpoint's (or an active sequence's, e.g. after
+        ``swap_in``) pages that live on the device and no other checkpoint holds."""
         self._usable("drop_host")
-        return host.drop_host(self, as_int("checkpoint", checkpoint))
+        return host.drop_host(self, as_int("bundle", bundle))
 
     # --- continuation (§7.3, §9) — see engine/continuation.py --------------------------------------
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,

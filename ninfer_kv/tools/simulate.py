@@ -235,6 +235,7 @@ def simulate(requests: list[Request], opts: SimOptions,
             stalled = timed(_grow, store, cache, res, running, queue, swapped, k)
         # admit in arrival order while rows and capacity allow (evicting LRU checkpoints)
         admitted: list[_Running] = []
+        swapped_in: list[int] = []  # their host extents free once the restore has run
         while queue and len(running) + len(admitted) < opts.max_concurrency \
                 and res.swaps == swaps:
             req = queue[0]
@@ -243,7 +244,10 @@ def simulate(requests: list[Request], opts: SimOptions,
                 queue.pop(0)
                 continue
             if req.rid in swapped:
+                before = res.swap_ins
                 r = _resume(store, swapped, req.rid, cache, res, timed, k)
+                if r is not None and res.swap_ins > before and store.arena is not None:
+                    swapped_in.append(r.seq)
             else:
                 r = _admit(store, req, cache, res, timed, k, HASH_BLOCK // max(1, opts.scale),
                            seen)
@@ -266,6 +270,8 @@ def simulate(requests: list[Request], opts: SimOptions,
                   [min(r.frontier + k + lead, cap) for r in steps])
         timed(store.close_boundary)
         timed(store.unit_complete)
+        for seq in swapped_in:  # a resumed request's replicas are a cache, not durability
+            timed(store.drop_host, seq)
         for r in admitted:
             for pool in pools:
                 if store.space(r.seq, pool).committed >= r.prefill:

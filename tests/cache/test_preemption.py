@@ -98,7 +98,7 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
     digest = s.digest()
     for bad, err in (((a, 600), InvalidArgument), ((a, 10), InvalidArgument),
                      ((999, 700), UnknownHandle), ((a, "700"), InvalidArgument),
-                     ((True, 700), InvalidArgument)):
+                     ((True, 700), InvalidArgument), ((a, s.plan.S + 1), InvalidArgument)):
         with pytest.raises(err):
             swap_out(s, *bad)
         assert s.digest() == digest
@@ -118,4 +118,41 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
     with pytest.raises(UnknownHandle):           # resumed once: the checkpoint is gone
         swap_in(s, sw)
     assert s.space(seq).committed == 600
+    s.check_invariants()
+
+
+def test_a_resumed_sequence_can_free_its_host_extents(tmp_path: Path) -> None:
+    """Review repro: after swap_in (a Move) the resumed *active* sequence kept its pages'
+    host extents and no call could free them (drop_host took checkpoints only), so with an
+    arena sized for one preempted request the next swap_out could not offload. Now
+    ``drop_host(seq)`` frees them after the restoring boundary; pages a checkpoint also holds
+    keep theirs."""
+    probe = KVStore.open(small_config(tmp_path / "p", pages=40, host_bytes=1))
+    pb = probe.state.pool_specs[0].page_bytes
+    probe.close()
+    s = KVStore.open(small_config(tmp_path, pages=40, host_bytes=10 * pb))  # 10 pages
+    a, b = running(s, 640, 100), running(s, 640, 100)
+    sw = swap_out(s, a, 740)
+    step(s)
+    assert sw.offloaded and s.metrics().host_used == 10 * pb
+    a2 = swap_in(s, sw)
+    assert s.drop_host(a2) == 0                  # pinned until the restore has run
+    step(s)
+    assert s.drop_host(a2) == 10
+    step(s)
+    assert s.metrics().host_used == 0
+    swb = swap_out(s, b, 740)
+    step(s)
+    assert swb.offloaded
+    b2 = swap_in(s, swb)
+    step(s)
+    assert s.drop_host(b2) == 10
+    ck = s.share_prefix(a2, 320)                 # a checkpoint co-holds a2's first 5 pages
+    step(s)
+    s.offload(ck)
+    step(s)
+    assert s.checkpoint_info(ck).pools["main"].host_pages == 5
+    assert s.drop_host(a2) == 0                  # the checkpoint's replicas stay
+    step(s)
+    assert s.checkpoint_info(ck).pools["main"].host_pages == 5
     s.check_invariants()
