@@ -128,7 +128,7 @@ class PrefixIndex:
         checkpoint = as_int("checkpoint", checkpoint)
         if checkpoint not in self._tokens:
             raise UnknownHandle(f"checkpoint {checkpoint} is not in the prefix index")
-        for k in self._keys.pop(checkpoint):
+        for k in dict.fromkeys(self._keys.pop(checkpoint)):  # a chain may repeat a key
             holders = self._holders[k]
             del holders[checkpoint]
             if not holders:
@@ -172,11 +172,11 @@ class PrefixIndex:
                    like: PrefixIndex | None = None) -> PrefixIndex:
         """Rebuild from a store's checkpoints and the token ids each carries in its metadata
         under ``key`` (``store.set_metadata(ck, {"tokens": ids, ...})``) — after a restart.
-        Tokens beyond a checkpoint's committed frontier are not indexed (they have no KV
-        there); checkpoints without tokens are skipped. The keys are hashed as ``like``
-        hashes them (its block size, chain hash and seed: pass the index being replaced,
-        e.g. ``PrefixIndex.vllm()``, so rebuilt keys still match a router's); without it,
-        the default BLAKE2b chain in blocks of ``block`` (64)."""
+        Tokens beyond a checkpoint's committed frontier (the lowest of its pools') are not
+        indexed (they have no KV there); checkpoints without tokens are skipped. The keys
+        are hashed as ``like`` hashes them (its block size, chain hash and seed: pass the
+        index being replaced, e.g. ``PrefixIndex.vllm()``, so rebuilt keys still match a
+        router's); without it, the default BLAKE2b chain in blocks of ``block`` (64)."""
         return cls.from_state(store.state, key, block, like=like)
 
     @classmethod
@@ -195,7 +195,8 @@ class PrefixIndex:
             bundle = state.bundles[ck]
             meta = msgspec.msgpack.decode(bundle.meta) if bundle.meta else None
             if isinstance(meta, dict) and key in meta:
-                pool = "main" if "main" in bundle.pools else bundle.pools[0]
-                frontier = state.pools[pool].spaces[ck].committed
+                # every pool must hold the tokens a match continues (they may commit
+                # different frontiers, §6.2: an MTP pool lagging the main one)
+                frontier = min(state.pools[p].spaces[ck].committed for p in bundle.pools)
                 idx.add(ck, _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")[:frontier])
         return idx

@@ -239,3 +239,41 @@ def test_rebuilt_with_the_hash_of_the_index_it_replaces(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="block=64 differs from like.block=16"):
         PrefixIndex.from_store(s, block=64, like=live)
     s.close()
+
+
+def test_rebuilt_entries_stop_at_the_lowest_pool_frontier(tmp_path: Path) -> None:
+    """Review repro: with MTP the pools may commit different frontiers (§6.2); the rebuilt
+    index cut the tokens at the main pool's, so a match could not be continued."""
+    from ninfer_kv.engine.capacity import Backend
+    from tests.engine.conftest import small_config
+
+    s = KVStore.open(small_config(tmp_path, pages=40, backend=Backend.MTP))
+    toks = list(range(1000, 1300))
+    a = s.activate(300, 50)
+    for pool in s.pools:
+        s.ensure_mapped(a, pool, 300)
+    step(s)
+    s.commit(a, "main", 300)
+    s.commit(a, "mtp", 299)                  # the MTP pool lags one token
+    s.set_metadata(a, {"tokens": toks})
+    ck = s.finish(a, retain=True)
+    step(s)
+    m = PrefixIndex.from_store(s).lookup(toks + [7, 8])
+    assert m == Match(ck, 299)
+    s.activate_from(m.checkpoint, m.tokens, 302, 10)   # continuable in every pool
+    s.close()
+
+
+def test_a_chain_repeating_a_key_is_removed_whole() -> None:
+    """Review repro: a chain hash that collides inside one checkpoint's own chain (any weak
+    user-supplied ``chain=``) made ``remove`` raise KeyError half way and leave the entry
+    behind, answering later lookups with it."""
+    idx = PrefixIndex(block=2, chain=lambda parent, block: b"\x00")   # every key collides
+    idx.add(1, [1, 2, 3, 4])
+    idx.remove(1)
+    assert 1 not in idx and len(idx) == 0 and idx.lookup([1, 2, 3, 4]) is None
+    idx.add(2, [1, 2, 3, 4])
+    idx.add(2, [1, 2, 5, 6])                 # re-adding goes through remove too
+    idx.add(3, [1, 2, 3, 4])
+    assert idx.lookup([1, 2, 3, 4]) == Match(3, 4)
+    assert idx.lookup([1, 2, 5, 6, 7]) == Match(2, 4)
