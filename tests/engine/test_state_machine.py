@@ -297,8 +297,15 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def drop_host(self, data) -> None:  # noqa: ANN001
         ck = data.draw(st.sampled_from(self.checkpoints))
+        survivors = self.survivors()
         if self.attempt("drop_host", self.store.drop_host, ck) is not None:
             self.doomed.add(ck)
+            lost = sorted(survivors - self.survivors() - {ck})
+            assert not lost, f"drop_host({ck}) took restart survival from {lost}"
+
+    def survivors(self) -> set[int]:
+        """The checkpoints a reopen now would keep."""
+        return {c for c in self.checkpoints if self.store.checkpoint_info(c).survives_restart}
 
     @precondition(lambda self: self.store.active())
     @rule(step_tokens=st.integers(1, 8))
