@@ -270,17 +270,34 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
                for s in store.space(seq, n).members]
         plan += [(n, a, ids[a:a + min(per, k - a)], pb) for a in range(0, k, per)]
     posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], bool, list[Any]]] = {}
+    failed: BaseException | None = None  # ours, not the wire's: drain, then raise it
 
     def post(ci: int) -> None:
+        """Post chunk ``ci``'s receives: into its pages (or staging) while all is well, into
+        staging to drain it once this side failed. Only the receives are the wire's."""
+        nonlocal failed
         name, _, ids, _ = plan[ci]
-        sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
-        chunk, in_place = targets(store, name, ids, ci % 2, dev)
-        posted[ci] = (sums, chunk, in_place, [dist.irecv(c, src, group=group) for c in chunk]
-                      + [dist.irecv(sums, src, group=group)])
+        if failed is None:
+            try:
+                sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
+                chunk, in_place = targets(store, name, ids, ci % 2, dev)
+            except Exception as exc:  # e.g. staging could not grow: drain from here on
+                failed = exc
+        if failed is not None:
+            try:
+                sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
+                chunk, in_place = stage(store, name, len(ids), ci % 2, dev), False
+            except Exception as exc:  # cannot even drain: the wire cannot stay in step
+                raise _WireError(f"cannot drain chunk {ci}: {exc!r}") from exc
+        try:
+            works = [dist.irecv(c, src, group=group) for c in chunk]
+            works.append(dist.irecv(sums, src, group=group))
+        except RuntimeError as exc:
+            raise _WireError(str(exc)) from exc
+        posted[ci] = (sums, chunk, in_place, works)
 
     bad: str | None = None
     moved = 0
-    failed: BaseException | None = None  # ours, not the wire's: drain, then raise it
     if plan:
         post(0)
     for ci, (name, a, ids, pb) in enumerate(plan):
@@ -288,10 +305,10 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
         try:
             for w in works:
                 w.wait()
-            if ci + 1 < len(plan):
-                post(ci + 1)
         except RuntimeError as exc:  # the wire: nothing more will arrive
             raise _WireError(str(exc)) from exc
+        if ci + 1 < len(plan):
+            post(ci + 1)
         moved += len(ids) * pb
         if bad is not None or failed is not None:
             continue

@@ -68,8 +68,14 @@ def test_a_side_failing_by_itself_mid_transfer_tells_the_other(tmp_path: Path) -
     assert "hook failed on rank 0" in a["errors"][1], a["errors"]
     assert b["errors"][1].startswith("TransferAborted") and "sender aborted" in \
         b["errors"][1], b["errors"]
+    # (3)/(4) the receiver could not place a chunk (review: a failure inside the receive
+    # posting, even a RuntimeError such as out of memory, is its own, not the wire's): it
+    # drains, both abort with its reason, promptly
+    for i, why in ((2, "ValueError"), (3, "OutOfMemoryError")):
+        assert why in b["errors"][i] and "staging failed on rank 1" in b["errors"][i]
+        assert "staging failed on rank 1" in a["errors"][i], a["errors"]
     for side in (a, b):  # nothing published, nothing leaked
-        assert side["states"][0] == side["states"][1] == side["before"]
+        assert all(st == side["before"] for st in side["states"]), side["states"]
         assert side["before"]["violations"] == []
     # (3) the wire stayed in step: the next transfer goes through
     pages = -(-w.PROMPT // 64)

@@ -316,10 +316,29 @@ def abort_worker(rank: int, port: int, out: str) -> None:
         if idx == 1:
             raise ValueError(f"hook failed on rank {rank}")
 
+    import ninfer_kv.dist.transfer as transfer
+
+    real_targets = transfer.targets
+    calls = [0]
+
+    def failing_targets(kind: type[Exception]) -> Any:
+        def targets(*args: Any, **kw: Any) -> Any:  # the receiver's 2nd chunk cannot be placed
+            calls[0] += 1
+            if calls[0] == 2:
+                raise kind(f"staging failed on rank {rank}")
+            return real_targets(*args, **kw)
+        return targets
+
     ck = prefill(store, PROMPT, seed=7) if rank == 0 else None
     res["before"] = state_of(store)
-    for hooked in (1, 0):
-        hook = boom if rank == hooked else None
+    # (1) receiver hook, (2) sender hook, (3)/(4) the receiver cannot place a chunk: a plain
+    # error, then a RuntimeError that is not the wire's (out of memory)
+    for case in ("recv-hook", "send-hook", "recv-value", "recv-oom"):
+        hook = boom if (case, rank) in (("recv-hook", 1), ("send-hook", 0)) else None
+        calls[0] = 0
+        if rank == 1 and case.startswith("recv-") and case != "recv-hook":
+            kind = ValueError if case == "recv-value" else torch.OutOfMemoryError
+            transfer.targets = failing_targets(kind)
         t0 = time.monotonic()
         try:
             if rank == 0:
@@ -328,6 +347,7 @@ def abort_worker(rank: int, port: int, out: str) -> None:
                 import_(store, 0, on_chunk=hook)
         except TransferAborted as exc:
             res["errors"].append(f"TransferAborted: {exc}")
+        transfer.targets = real_targets
         res.setdefault("seconds", []).append(time.monotonic() - t0)
         res.setdefault("states", []).append(state_of(store))
     if rank == 0:
