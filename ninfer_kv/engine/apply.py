@@ -200,7 +200,8 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    assert e.full_pages <= src.nmem, f"Fork of {e.src}: {e.full_pages} pages > its membership"
+    assert 0 <= e.full_pages <= src.nmem, \
+        f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
     shared = pool.sp_members[src.i, :e.full_pages].astype(I64)
     assert pool.pg_live[shared].all(), f"Fork of {e.src}: a dead page in its membership"
     pool.pg_refs[shared] += 1    # a membership holds a slot once: no repeated index
@@ -219,7 +220,8 @@ def _share(st: StoreState, e: ev.Share) -> None:
     pages and appends above them, and may not truncate below them (its protected frontier)."""
     pool = st.pools[e.pool]
     src = pool.spaces[e.src]
-    assert src.active and e.full_pages * P <= src.committed, f"Share of {e.src} in {e.pool}"
+    assert src.active and 0 <= e.full_pages * P <= src.committed, \
+        f"Share of {e.src} in {e.pool}: {e.full_pages} pages"
     shared = members_of(pool, src)[:e.full_pages]
     assert pool.pg_live[shared].all(), f"Share of {e.src}: a dead page in its membership"
     np.add.at(pool.pg_refs, shared, 1)

@@ -162,3 +162,36 @@ def test_new_pages_refuses_a_damaged_batch_and_changes_nothing(k: int, seed: int
     assert list(p.free_pages) == list(before.free_pages)
     assert len(p.free_slots) == len(before.free_slots)
     assert len(p.free_pages) == len(before.free_pages)
+
+
+@pytest.mark.parametrize("full", [-1, -3])
+def test_a_damaged_fork_or_share_with_negative_pages_is_refused(tmp_path: Path,
+                                                                full: int) -> None:
+    """Review repro: a damaged Fork with full_pages < 0 sliced the membership row's -1
+    padding, which numpy wraps to the pool's last slot — another checkpoint's live page
+    gained a reference. apply refuses it (replay: UnappliableRecord); so does a Share."""
+    import copy
+
+    from ninfer_kv.engine.apply import apply
+    from ninfer_kv.journal import events as ev
+
+    s = KVStore.open(small_config(tmp_path, pages=16, context=1024))
+    ck = checkpoint_at(s, 128, out=0)              # slots 0, 1
+    big = checkpoint_at(s, 14 * 64, out=0)         # slots 2..15: the arrays' last slot live
+    st = copy.deepcopy(s.state)
+    refs = st.pools["main"].pg_refs.copy()
+    dst = st.next_bundle
+    apply(st, ev.Activate(dst, "main", 4, st.pools["main"].free_rows.first(), 256, 0, 0))
+    with pytest.raises(AssertionError, match="outside"):
+        apply(st, ev.Fork(ck, dst, "main", full, full * 64))
+    assert (st.pools["main"].pg_refs == refs).all()
+    s.release(big)
+    step(s)
+    a = s.activate(64, 1)
+    s.ensure_mapped(a, "main", 64)
+    step(s)
+    s.commit(a, "main", 64)
+    st = copy.deepcopy(s.state)
+    with pytest.raises(AssertionError, match="Share"):
+        apply(st, ev.Share(a, st.next_bundle, "main", full))
+    s.close()
