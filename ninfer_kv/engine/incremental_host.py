@@ -143,9 +143,9 @@ class HostMirror:
             self.live -= self.size[who[0]]
         self.changed.append(off)
 
-    def sync_page(self, pool: str, s: int, pg: Any, out: list[str]) -> None:
-        """Move the replica ownership of page ``pool:s`` to what the page now holds."""
-        h = pg.host if pg is not None else None
+    def sync_page(self, pool: str, s: int, h: tuple[int, ...] | None, out: list[str]) -> None:
+        """Move the replica ownership of page ``pool:s`` to what the page now holds: its host
+        replica ``h`` (None: none, or a dead slot)."""
         new = h[0] if h is not None else -1
         rep = self.replica[pool]
         old = rep.get(s, -1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ninfer_kv.engine.address_space import NO_ROW
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
@@ -89,21 +91,40 @@ def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: i
 
 def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMirror | None,
                 out: list[str]) -> None:
-    """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold."""
-    pages, n = pool.pages, len(pool.pages)
+    """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold.
+    The page fields are read from the pool's arrays in one gather per field (a page view per
+    field read cost most of a verified replay)."""
+    if not slots:
+        return
+    n = pool.n_slots
+    if min(slots) < 0:
+        pool.pages[min(slots)]  # IndexError naming the slot, as a page view read raises
+    a = np.fromiter(slots, np.int64, len(slots))
+    ok = a < n
+    g = np.where(ok, a, 0)
+    live_l = (pool.pg_live[g] & ok).tolist()
+    dev_l, refs_l = pool.pg_device[g].tolist(), pool.pg_refs[g].tolist()
+    act_l, pins_l = pool.pg_active[g].tolist(), pool.pg_pins[g].tolist()
+    prot_l, comm_l = pool.pg_protected[g].tolist(), pool.pg_committed[g].tolist()
+    wr_l = pool.pg_writer[g].tolist()
+    host_of = pool.host_of
+    fsb = pool.free_slots.bits
+    free_slot_l = (fsb[np.minimum(g, len(fsb) - 1)] & (g < len(fsb))).tolist()
+    fpb = pool.free_pages.bits
+    nfp = len(fpb)
     refs, arefs, devs, lease = pm.refs, pm.arefs, pm.dev, pm.lease
-    cap, free_pages, free_slots = pool.capacity, pool.free_pages, pool.free_slots
+    cap = pool.capacity
     spaces, pend, copy = pm.spaces, pm.pend, pm.copy
     pins_on = bool(pend or copy)
     no, p = NO_PAGE, P
-    for s in slots:
-        pg = pages[s] if s < n else None
-        old, new = devs[s], (no if pg is None else pg.device)
+    for j, s in enumerate(slots):
+        live = live_l[j]
+        old, new = devs[s], (dev_l[j] if live else no)
         if old != new:
             if old != no:
                 if lease.get(old) == s:
                     del lease[old]
-                if old not in free_pages:
+                if not (0 <= old < nfp and fpb[old]):
                     out.append(f"released device page {old} (slot {s}) is not on the free "
                                "list")
             if new != no:
@@ -112,58 +133,61 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
                 o = lease.setdefault(new, s)
                 if o != s:
                     out.append(f"device page {new} leased by slots {o} and {s} (§14)")
-                if new in free_pages:
+                if 0 <= new < nfp and fpb[new]:
                     out.append(f"leased device page {new} (slot {s}) is also on the free list")
             devs[s] = new
+        h = host_of.get(s) if live and host_of else None
         if host is not None:
-            host.sync_page(pm.name, s, pg, out)
-        if pg is not None and s in free_slots:
+            host.sync_page(pm.name, s, h, out)
+        if live and free_slot_l[j]:
             out.append(f"free slot {s} is live")
-        if pg is None:
+        if not live:
             if refs[s]:
                 out.append(f"dead slot {s} still has {refs[s]} memberships")
             continue
-        r, a, pr = refs[s], arefs[s], pg.refs
+        r, a_, pr = refs[s], arefs[s], refs_l[j]
         if pr != r:
             out.append(f"page {s} refs {pr} != memberships {r}")
-        if pg.active_refs != a:
-            out.append(f"page {s} active_refs {pg.active_refs} != {a}")
-        if not 0 <= pg.protected <= pg.committed <= p:
-            out.append(f"page {s} columns protected={pg.protected} committed="
-                       f"{pg.committed} out of range")
-        w = pg.writer
+        if act_l[j] != a_:
+            out.append(f"page {s} active_refs {act_l[j]} != {a_}")
+        if not 0 <= prot_l[j] <= comm_l[j] <= p:
+            out.append(f"page {s} columns protected={prot_l[j]} committed="
+                       f"{comm_l[j]} out of range")
+        w = wr_l[j]
         if w != no:
             m = spaces.get(w)
             if m is None or not m.active or s not in m.mset:
                 out.append(f"page {s} writer {w} is not an active member")
             if pr > 1:
                 out.append(f"page {s} is shared ({pr} refs) but has writer {w} (§9.4)")
-        if new == no and a:
-            out.append(f"page {s} is mapped by {a} active spaces but has no device replica")
+        if new == no and a_:
+            out.append(f"page {s} is mapped by {a_} active spaces but has no device replica")
         want = (pend.get(s, 0) + copy.get(s, 0)) if pins_on else 0
-        if pg.pins != want:
-            out.append(f"page {pm.name}:{s} pins {pg.pins} != pending transfers and queued "
+        if pins_l[j] != want:
+            out.append(f"page {pm.name}:{s} pins {pins_l[j]} != pending transfers and queued "
                        f"copies {want}")
-        if pr == 0 and pg.pins == 0 and pg.host is None:
+        if pr == 0 and pins_l[j] == 0 and h is None:
             out.append(f"page {s} has no reference, pin or replica but is not recycled")
 
 
 def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: list[str]) -> None:
     """CommitFrontiers: per bundle the frontier order, then every block between the old and
-    the new committed frontier holds the columns it needs (a decode step: one block)."""
-    spaces, ms, pages = pool.spaces, pm.spaces, pool.pages
-    n_pages, p = len(pages), P
+    the new committed frontier holds the columns it needs (a decode step: one block). Reads
+    the pool's arrays directly: this is a verified replay's hot path."""
+    spaces, ms = pool.spaces, pm.spaces
+    n_pages, p = pool.n_slots, P
+    live, pgc, pgp = pool.pg_live, pool.pg_committed, pool.pg_protected
+    spc, spn, spm = pool.sp_committed, pool.sp_nmem, pool.sp_members
     for b in unpack(e.bundles).tolist():
         sp = spaces.get(b)
         m = ms.get(b)
         if sp is None or m is None:
             out.append(f"commit names bundle {b} without a space in {e.pool}")
             continue
-        c = sp.committed
+        k = sp.i
+        c, n = int(spc[k]), int(spn[k])
         oc = m.committed
         m.committed = c
-        members = sp.members
-        n = len(members)
         if not sp.protected <= c <= n * p:
             out.append(f"bundle {b}: frontiers protected={sp.protected} committed={c} "
                        f"membership={n * p} out of order (commit)")
@@ -173,18 +197,19 @@ def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: li
             i, hi = c // p, (oc + p - 1) // p
         if hi > n:
             hi = n
-        while i < hi:  # ``columns``, inlined: this is the decode hot path
-            s = members[i]
-            pg = pages[s] if s < n_pages else None
-            if pg is None:
+        while i < hi:  # ``columns``, inlined
+            s = int(spm[k, i])
+            if s < 0:
+                pool.pages[s]  # IndexError naming the slot, as a page view read raises
+            if s >= n_pages or not live[s]:
                 out.append(f"bundle {b}: block {i} -> dead slot {s} (committed block)")
             else:
-                pc = pg.committed
+                pc, pr = int(pgc[s]), int(pgp[s])
                 need = c - i * p
                 if pc < (need if need < p else p):
                     out.append(f"bundle {b}: block {i} page {s} committed {pc} < "
                                f"{min(p, need)} (commit)")
-                if not 0 <= pg.protected <= pc <= p:
-                    out.append(f"page {s} columns protected={pg.protected} committed={pc} out "
+                if not 0 <= pr <= pc <= p:
+                    out.append(f"page {s} columns protected={pr} committed={pc} out "
                                "of range (commit)")
             i += 1
