@@ -124,15 +124,12 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
             f"{int(p.sp_entitlement[idx[j]])} (§8.1)")
     if total == 0:
         return 0
-    have = p.sp_nmem[idx]
-    grow = np.flatnonzero((t + (P - 1)) // P > have)
-    new = (t[grow] + (P - 1)) // P - have[grow]
-    need_b = np.repeat(b[grow], new)
+    need_b, grown, firsts = rk.grow_plan(b, idx, t, p.sp_nmem, total)
     n = len(need_b)
     slots = p.pick_slot_array(n)
     pages = p.free_pages.lowest_array(n)
     tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
-    for bj, first in zip(b[grow].tolist(), have[grow].tolist(), strict=True):
+    for bj, first in zip(grown.tolist(), firsts.tolist(), strict=True):
         tx._touch(p.name, bj, first)  # publish from the first new block on
     tx.stats["materialized"] += n
     return n

@@ -271,3 +271,25 @@ def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
         pg_gen[s] += 1
         slot_bits[s] = True
     return -1, freed, low, dead[0] if dead.shape[0] else -1
+
+
+@njit(nogil=True)
+def grow_plan(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
+              total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """After ``plan_mapping`` found ``total`` pages to materialize: (the sequence of each new
+    page, in batch order; the sequences that grow; the first new block of each)."""
+    need_b = np.empty(total, np.int64)
+    grown = np.empty(bundles.shape[0], np.int64)
+    first = np.empty(bundles.shape[0], np.int64)
+    k = g = 0
+    for j in range(bundles.shape[0]):
+        have = sp_nmem[idx[j]]
+        need = (tokens[j] + P - 1) // P
+        if need > have:
+            grown[g] = bundles[j]
+            first[g] = have
+            g += 1
+            for _ in range(need - have):
+                need_b[k] = bundles[j]
+                k += 1
+    return need_b[:k], grown[:g], first[:g]

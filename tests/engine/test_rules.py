@@ -185,9 +185,11 @@ def test_drop_device_schedules_only_its_own_checkpoints_pages(tmp_path: Path) ->
 
 def test_host_commands_refuse_unknown_checkpoints_and_a_missing_arena(tmp_path: Path) -> None:
     s = host_store(tmp_path)
-    for call in (lambda: s.offload(999), lambda: s.drop_device(999), lambda: s.drop_host(999)):
+    for call in (lambda: s.offload(999), lambda: s.drop_device(999)):
         with pytest.raises(UnknownHandle, match="999 is not an inactive checkpoint"):
             call()
+    with pytest.raises(UnknownHandle, match="999 is neither an active sequence nor a checkpoint"):
+        s.drop_host(999)  # it takes an active sequence too (after swap_in)
     s.close()
     s = KVStore.open(small_config(tmp_path / "nohost"))
     ck = checkpoint_at(s, 64)
