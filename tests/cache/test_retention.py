@@ -252,18 +252,26 @@ def test_make_host_room_never_releases_a_device_resident_checkpoint() -> None:
     store.check_invariants()
 
 
-def test_the_fallback_leaves_pages_another_holder_keeps() -> None:
-    """Review repro: pages the policy's checkpoint co-holds with one it does not track (an
-    engine's own shared prefix) free nothing when released: make_room keeps it."""
+def _shared_with_an_engine_prefix() -> tuple[KVStore, LruRetention, int, int]:
+    """(store, policy, kept, ck): ``kept`` an engine-kept shared prefix (not the policy's),
+    ``ck`` the owner's retained checkpoint holding the same 10 pages."""
     store = _host_store()
     pol = LruRetention()
     owner = store.activate(640, 10)
     store.ensure_mapped(owner, "main", 640)
     store.commit(owner, "main", 640)
-    kept = store.share_prefix(owner, 640)                # the engine's, not the policy's
+    kept = store.share_prefix(owner, 640)
     ck = store.finish(owner, retain=True)
+    assert ck is not None
     with store.boundary():
         pass
+    return store, pol, kept, ck
+
+
+def test_the_fallback_leaves_pages_another_holder_keeps() -> None:
+    """Review repro: pages the policy's checkpoint co-holds with one it does not track (an
+    engine's own shared prefix) free nothing when released: make_room keeps it."""
+    store, pol, kept, ck = _shared_with_an_engine_prefix()
     pol.retain(ck, (1,))
     r = store.checkpoint_info(ck).pools["main"]
     assert (r.sole_device_pages, r.idle_device_pages) == (0, 10)
@@ -276,15 +284,7 @@ def test_make_host_room_keeps_a_checkpoint_whose_release_frees_no_extent() -> No
     """Review repro: the policy's checkpoint, offloaded and off the device, holds only pages
     an engine-kept shared prefix holds too: releasing it frees no host byte, so make_host_room
     keeps it (it released it and lost the prefix for nothing)."""
-    store = _host_store()
-    pol = LruRetention()
-    owner = store.activate(640, 10)
-    store.ensure_mapped(owner, "main", 640)
-    store.commit(owner, "main", 640)
-    kept = store.share_prefix(owner, 640)                # the engine's, not the policy's
-    ck = store.finish(owner, retain=True)
-    with store.boundary():
-        pass
+    store, pol, kept, ck = _shared_with_an_engine_prefix()
     store.offload(ck, drop_device=True)
     with store.boundary():
         pass
