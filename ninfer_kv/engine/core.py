@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import structlog
 
 from ninfer_kv.engine import host, restart
@@ -251,14 +252,8 @@ class StoreCore:
             for (pool, slot), n in sorted(self.state.copy_pins.items()):
                 by_pool.setdefault(pool, []).extend([slot] * n)
             self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
-        for (pool, bundle), start in self._touched.items():
-            sp = self.state.pools[pool].spaces.get(bundle)
-            if sp is None or not sp.active:
-                continue
-            p = self.state.pools[pool]
-            ids = p.pg_device[p.sp_members[sp.i, start:sp.nmem]]
-            self.device.write_table(pool, sp.row, start, ids)  # unmaps what it mapped after
-        self._touched.clear()
+        if self._touched:
+            self._publish_tables()
         durable = False
         if self._transfers:
             transfers, self._transfers = self._transfers, []
@@ -276,6 +271,25 @@ class StoreCore:
             self.journal.write_snapshot(encode_state(self.state))
             self._snapshot_seq = seq
         return seq
+
+    def _publish_tables(self) -> None:
+        """The block-table slices of every touched active space, from its first changed block
+        on (unmapping what an earlier write mapped after it): one compiled pass per pool."""
+        todo: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        for (pool, bundle), start in self._touched.items():
+            sp = self.state.pools[pool].spaces.get(bundle)
+            if sp is None or not sp.active:
+                continue
+            rows, starts, idx = todo.setdefault(pool, ([], [], []))
+            rows.append(sp.row)
+            starts.append(start)
+            idx.append(sp.i)
+        self._touched.clear()
+        for pool, (rows, starts, idx) in todo.items():
+            p = self.state.pools[pool]
+            self.device.write_rows(pool, np.array(rows, np.int64), np.array(starts, np.int64),
+                                   np.array(idx, np.int64), p.sp_members, p.sp_nmem,
+                                   p.pg_device)
 
     # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
     def close_boundary(self) -> int:

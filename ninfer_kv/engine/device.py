@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ninfer_kv.engine.layout import PoolGeometry
+from ninfer_kv.engine.round_kernels import publish_rows
 
 UNMAPPED = -1
 """Block-table entries beyond a row's membership hold -1, so a stray read faults loudly."""
@@ -63,6 +64,20 @@ class DeviceState:
         if self.device.type != "cpu" and hi > start:
             pd.block_tables[row, start:hi].copy_(torch.from_numpy(t[start:hi]),
                                                  non_blocking=True)
+
+    def write_rows(self, pool: str, rows: np.ndarray, starts: np.ndarray, idx: np.ndarray,
+                   sp_members: np.ndarray, sp_nmem: np.ndarray, pg_device: np.ndarray) -> None:
+        """``write_table`` for a batch of rows: row ``rows[j]`` from block ``starts[j]`` on
+        holds the device pages of space ``idx[j]`` (``PoolState.sp_*``), in one compiled pass
+        over the host image; a device table gets each changed slice copied."""
+        pd = self.pools[pool]
+        his = publish_rows(rows, starts, idx, sp_members, sp_nmem, pg_device, pd.host_tables,
+                           pd.published)
+        if self.device.type != "cpu":
+            for r, start, hi in zip(rows.tolist(), starts.tolist(), his.tolist(), strict=True):
+                if hi > start:
+                    pd.block_tables[r, start:hi].copy_(
+                        torch.from_numpy(pd.host_tables[r, start:hi]), non_blocking=True)
 
     def planes(self, pool: str) -> list[torch.Tensor]:
         """Every plane of every layer of a pool (the page group's payload)."""

@@ -293,3 +293,25 @@ def grow_plan(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem:
                 need_b[k] = bundles[j]
                 k += 1
     return need_b[:k], grown[:g], first[:g]
+
+
+@njit(nogil=True)
+def publish_rows(rows: np.ndarray, starts: np.ndarray, idx: np.ndarray, sp_members: np.ndarray,
+                 sp_nmem: np.ndarray, pg_device: np.ndarray, host_tables: np.ndarray,
+                 published: np.ndarray) -> np.ndarray:
+    """The boundary's table-slice writes (``DeviceState.write_table`` for a batch, §13): row
+    ``rows[j]`` gets the device pages of space ``idx[j]``'s blocks ``starts[j]..`` and the
+    entries after them that an earlier write mapped are unmapped. Returns, per row, the end of
+    what changed (the caller copies ``[start, end)`` to a device table)."""
+    out = np.empty(rows.shape[0], np.int64)
+    for j in range(rows.shape[0]):
+        r, k, start = rows[j], idx[j], starts[j]
+        end = max(start, sp_nmem[k])
+        for i in range(start, end):
+            host_tables[r, i] = pg_device[sp_members[k, i]]
+        hi = max(end, published[r])
+        for i in range(end, hi):
+            host_tables[r, i] = -1
+        published[r] = end
+        out[j] = hi
+    return out

@@ -292,7 +292,7 @@ def test_a_refused_boundary_keeps_the_stream_a_failed_one_ends_it(pair) -> None:
     def broken(*_: object) -> None:
         raise RuntimeError("device write failed")
 
-    store.device.write_table = broken                   # the next boundary fails
+    store.device.write_rows = broken                    # the next boundary fails
     with pytest.raises(StoreFailed), leader.boundary():
         pass
     leader.close()
