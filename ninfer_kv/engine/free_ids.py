@@ -140,6 +140,8 @@ class FreeIds:
             self.take([i])  # raises the ValueError that names the rule
         self.bits[i] = False
         self.n -= 1
+        if i == self.lo:  # it was the lowest free id: the next one up bounds the rest
+            self.lo = i + 1
 
     def grow(self, size: int) -> None:
         """Room for ids below ``size`` (new ids are not free)."""

@@ -43,6 +43,18 @@ class FreeIdsMachine(RuleBasedStateMachine):
                 self.f.give(ids)
             assert list(self.f) == before
 
+    @rule(i=st.integers(-2, 45))
+    def remove(self, i: int) -> None:
+        """``remove`` (one id, the fast path Activate's row lease takes)."""
+        if 0 <= i < self.size and i in self.model:
+            self.f.remove(i)
+            self.model.discard(i)
+        else:
+            before = list(self.f)
+            with pytest.raises(ValueError):
+                self.f.remove(i)
+            assert list(self.f) == before
+
     @rule(n=st.integers(0, 50))
     def lowest(self, n: int) -> None:
         assert self.f.lowest(n) == sorted(self.model)[:n]
@@ -80,3 +92,16 @@ def test_lowest_tightens_its_bound_and_give_lowers_it() -> None:
     assert f.lowest(1) == [] and len(f) == 0
     f.give([1])
     assert f.lo == 1 and f.lowest(1) == [1]
+
+
+def test_remove_of_the_lowest_keeps_lo_a_bound_and_first_exact() -> None:
+    """``remove`` advances ``lo`` past the id it took only when that id was ``lo``; ``first``
+    (its fast path reads ``bits[lo]``) stays the lowest free id."""
+    f = FreeIds(10, range(10))
+    for want in range(1, 5):
+        f.remove(want - 1)
+        assert f.lo <= want and f.first() == want
+    f.remove(7)                       # not the lowest: lo stays
+    assert f.first() == 4 and list(f) == [4, 5, 6, 8, 9]
+    f.give([2])
+    assert f.first() == 2
