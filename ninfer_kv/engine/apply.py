@@ -246,6 +246,7 @@ def _share(st: StoreState, e: ev.Share) -> None:
 
 def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
+    assert 0 < e.columns < P, f"CopyTail of {e.dst}: {e.columns} columns (a partial tail)"
     pool = st.pools[e.pool]
     dst = pool.spaces[e.dst]
     page = new_page(pool, e.slot, e.page, e.dst)

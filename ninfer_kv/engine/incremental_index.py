@@ -197,6 +197,8 @@ def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: li
             i, hi = c // p, (oc + p - 1) // p
         if hi > n:
             hi = n
+        if i < 0:  # a negative frontier (damage, reported above or at its event): from 0
+            i = 0
         while i < hi:  # ``columns``, inlined
             s = int(spm[k, i])
             if s < 0:

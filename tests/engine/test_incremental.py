@@ -211,3 +211,41 @@ def test_a_continuation_never_over_reserves_between_its_events(tmp_path: Path) -
     s.activate_from(ck, 23 * P, 1500, 10)  # accepted: it needs only entitlement - held pages
     s.close()
     both_after_every_event(journal_events(str(tmp_path / "journal")))
+
+
+def test_a_negative_frontier_is_reported_not_raised(tmp_path: Path) -> None:
+    """Review repro: a damaged CopyTail (columns=-5) left a continuation at frontier -5, and at
+    its next commit the array-reading checker indexed block -1 and raised IndexError out of
+    ``replay(verify_every=1)``. apply now refuses such a CopyTail, and check_commit starts a
+    negative old frontier's walk at block 0 (a mirror pushed negative by hand here)."""
+    import msgspec
+
+    s = KVStore.open(small_config(tmp_path, pages=32, concurrency=4, context=1024))
+    a = s.activate(128, 64)
+    s.ensure_mapped(a, "main", 128)
+    s.commit(a, "main", 100)
+    ck = s.finish(a, retain=True)
+    with s.boundary():
+        pass
+    dst = s.activate_from(ck, 10, 100, 50, mode="fork")   # Fork of 0 pages + CopyTail(10)
+    with s.boundary():
+        pass
+    s.close()
+    events = journal_events(str(tmp_path / "journal"))
+    k = next(i for i, e in enumerate(events) if isinstance(e, ev.CopyTail))
+    st = StoreState()
+    for e in events[:k]:
+        apply(st, e)
+    before = st.pools["main"].pg_refs.copy()
+    with pytest.raises(AssertionError, match="CopyTail"):
+        apply(st, msgspec.structs.replace(events[k], columns=-5))
+    assert (st.pools["main"].pg_refs == before).all()
+    st, chk = StoreState(), None
+    for e in events:
+        apply(st, e)
+        chk = chk or IncrementalChecker(st)
+        assert chk.check(e) == []
+    chk.pools["main"].spaces[dst].committed = -5         # the mirror as damage left it
+    e = ev.CommitFrontiers("main", ev.pack([dst]), ev.pack([10]))
+    apply(st, e)
+    assert isinstance(chk.check(e), list)                 # a report, not an IndexError
