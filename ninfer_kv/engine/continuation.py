@@ -235,33 +235,53 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
     return dst
 
 
-def fork_live(store: Txn, bundle: int, frontier: int | None, max_output_tokens: int) -> int:
+def fork_live(store: Txn, bundle: int, frontier: int | Mapping[str, int] | None,
+              max_output_tokens: int) -> int:
     """``KVStore.fork_live``: a new active sequence holding running sequence ``bundle``'s
-    first ``frontier`` tokens (default: its committed frontier in every pool), for n>1
+    first ``frontier`` tokens (default: its committed frontier in every pool; a mapping gives
+    each pool its own, as the pools of a DFlash sequence commit different frontiers), for n>1
     sampling or beam search. The whole pages below the frontier are shared (``Share`` into a
     transient checkpoint, ``Fork`` from it, ``Release`` of it: both sequences keep them,
     immutable, §9.2); the partial tail's columns are copied from the owner's live tail page into
     a private page (COW, §9.3) at the next boundary, pinned until then — the owner keeps
     appending above its committed frontier meanwhile. Planned whole before anything is emitted.
     The child's ``parent`` is the transient checkpoint when whole pages were shared (it is in
-    the journal, released by the same record), none when the frontier is below one page."""
+    the journal, released by the same record), none when every frontier is below one page."""
     st = store.state
     bundle = as_int("seq", bundle)
     max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
-    _, spaces, f = _live_frontier(st, bundle, frontier, "fork_live",
-                                  "fork_live forks a running one (continue a checkpoint "
-                                  "with activate_from)")
-    total = f + max_output_tokens
+    hint = "fork_live forks a running one (continue a checkpoint with activate_from)"
+    if isinstance(frontier, Mapping):
+        b = st.bundles.get(bundle)
+        if b is None or not b.active:
+            raise InactiveSpace(f"seq {bundle} is not an active sequence; {hint}")
+        unknown = sorted(set(frontier) - set(b.pools))
+        missing = [p for p in b.pools if p not in frontier]
+        if unknown or missing:
+            raise InvalidArgument(f"fork_live frontier per pool: pools {list(b.pools)} need "
+                                  f"one each; missing {missing}, unknown {unknown}")
+        spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
+        fs = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in b.pools}
+        for pool, f in fs.items():
+            if f > spaces[pool].committed:
+                raise FrontierError(f"seq {bundle} pool {pool}: fork_live frontier {f} beyond "
+                                    f"its committed frontier {spaces[pool].committed}")
+    else:
+        _, spaces, f0 = _live_frontier(st, bundle, frontier, "fork_live", hint)
+        fs = dict.fromkeys(spaces, f0)
+    top = max(fs.values())
+    total = top + max_output_tokens
     if total <= 0 or total > store.plan.S:
-        raise FrontierError(f"fork_live: frontier {f} + max_output_tokens {max_output_tokens} = "
-                            f"{total} must be in [1, S={store.plan.S}] (§3.2)")
-    full, tail = divmod(f, P)
-    ck = st.next_bundle if full else -1
-    dst = st.next_bundle + (1 if full else 0)
+        raise FrontierError(f"fork_live: frontier {top} + max_output_tokens {max_output_tokens} "
+                            f"= {total} must be in [1, S={store.plan.S}] (§3.2)")
+    shares = any(f >= P for f in fs.values())
+    ck = st.next_bundle if shares else -1
+    dst = st.next_bundle + (1 if shares else 0)
     plans: dict[str, tuple[int, int, tuple[int, int, int, int] | None]] = {}
     for pool, sp in spaces.items():
         p = st.pools[pool]
-        ent = store.entitlement_pages(pool, f, total)
+        full, tail = divmod(fs[pool], P)
+        ent = store.entitlement_pages(pool, fs[pool], total)
         if ent - full > p.available:
             raise CapacityExhausted(f"pool {pool}: fork_live needs {ent - full} pages, "
                                     f"{p.available} available")
@@ -273,18 +293,19 @@ def fork_live(store: Txn, bundle: int, frontier: int | None, max_output_tokens: 
             cow = (p.pick_slots(1)[0], p.pick_pages(1)[0], src_slot, int(p.pg_device[src_slot]))
         plans[pool] = (ent, p.free_rows.first(), cow)
     events: list[Any] = []
-    if full:
-        events.extend(ev.Share(bundle, ck, pool, full) for pool in plans)
+    if shares:
+        events.extend(ev.Share(bundle, ck, pool, fs[pool] // P) for pool in plans)
     for pool, (ent, row, cow) in plans.items():
-        events.append(ev.Activate(dst, pool, ent, row, total, f, full))
+        full, tail = divmod(fs[pool], P)
+        events.append(ev.Activate(dst, pool, ent, row, total, top, full))
         if cow is not None:
             events.append(ev.Pin(pool, ev.pack([cow[2]])))
-        if full:
-            events.append(ev.Fork(ck, dst, pool, full, f))
+        if shares:
+            events.append(ev.Fork(ck, dst, pool, full, fs[pool]))
         if cow is not None:
             events.append(ev.CopyTail(dst, pool, *cow, tail))
     events.append(ev.PublishActive(dst))
-    if full:
+    if shares:
         events.extend(ev.Release(ck, pool) for pool in plans)
     store._emit(*events)
     for e in events:

@@ -269,10 +269,12 @@ class KVStore(StoreCore):
         self._usable("share_prefix")
         return continuation.share_prefix(self, bundle, frontier)
 
-    def fork_live(self, bundle: int, max_output_tokens: int, frontier: int | None = None) -> int:
+    def fork_live(self, bundle: int, max_output_tokens: int,
+                  frontier: int | dict[str, int] | None = None) -> int:
         """A new active sequence continuing running sequence ``bundle`` at token ``frontier``
-        (default: its committed frontier) — n>1 sampling, beam search. Whole pages are shared,
-        the partial tail is COW-copied from the owner's page at the next boundary (§9.2-9.3).
+        (default: its committed frontier; a dict gives each pool its own, e.g. a DFlash draft
+        pool lagging the main one) — n>1 sampling, beam search. Whole pages are shared, the
+        partial tail is COW-copied from the owner's page at the next boundary (§9.2-9.3).
         Returns the new sequence's id."""
         self._usable("fork_live")
         return continuation.fork_live(self, bundle, frontier, max_output_tokens)

@@ -131,3 +131,41 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
     with pytest.raises(CapacityExhausted, match="rows"):
         s.fork_live(owner, 10)
     s.check_invariants()
+
+
+def test_a_dflash_sequence_forks_at_each_pools_own_frontier(tmp_path: Path) -> None:
+    """The pools of a DFlash sequence commit different frontiers (the draft pool lags): a
+    per-pool frontier forks each at its own — before, only at the lowest, so the child had to
+    recompute the main pool's lead. Whole pages shared, tails copied, per pool; bytes equal
+    the owner's; replay equals the live store. A bad mapping is refused, changing nothing."""
+    s = KVStore.open(small_config(tmp_path, pages=80, backend=Backend.DFLASH, checked=True))
+    owner = s.activate(700, 300)
+    for pool in s.pools:
+        s.ensure_mapped(owner, pool, 700)
+    step(s)
+    lead = {pool: 700 if pool == "main" else 650 for pool in s.pools}   # the draft lags
+    for pool, f in lead.items():
+        write_tokens(s, owner, pool, 0, f)
+        s.commit(owner, pool, f)
+    assert len(set(lead.values())) == 2
+    mine = tokens(s, owner, 700)
+    digest = s.digest()
+    for bad, err in (({"main": 700}, InvalidArgument),
+                     ({**lead, "nope": 1}, InvalidArgument),
+                     ({**lead, "main": 701}, FrontierError)):
+        with pytest.raises(err):
+            s.fork_live(owner, 100, bad)
+        assert s.digest() == digest
+    child = s.fork_live(owner, 100, lead)
+    for pool, f in lead.items():
+        assert s.space(child, pool).committed == f
+        assert s.space(child, pool).members[:f // P] == s.space(owner, pool).members[:f // P]
+    step(s)
+    got = tokens(s, child, 700)
+    for pool, f in lead.items():
+        assert all(torch.equal(a, b) for a, b in zip(got[pool][:f], mine[pool][:f],
+                                                     strict=True)), pool
+    s.check_invariants()
+    digest = s.digest()
+    s.close()
+    assert replay(str(tmp_path / "journal"), verify_every=1).digest == digest
