@@ -150,11 +150,12 @@ def test_a_dflash_sequence_forks_at_each_pools_own_frontier(tmp_path: Path) -> N
     assert len(set(lead.values())) == 2
     mine = tokens(s, owner, 700)
     digest = s.digest()
-    for bad, err in (({"main": 700}, InvalidArgument),
-                     ({**lead, "nope": 1}, InvalidArgument),
-                     ({**lead, "main": 701}, FrontierError)):
+    for seq, bad, err in ((owner, {"main": 700}, InvalidArgument),
+                          (owner, {**lead, "nope": 1}, InvalidArgument),
+                          (owner, {**lead, "main": 701}, FrontierError),
+                          (999, lead, InactiveSpace)):
         with pytest.raises(err):
-            s.fork_live(owner, 100, bad)
+            s.fork_live(seq, 100, bad)
         assert s.digest() == digest
     child = s.fork_live(owner, 100, lead)
     for pool, f in lead.items():
