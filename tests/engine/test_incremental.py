@@ -220,13 +220,10 @@ def test_a_negative_frontier_is_reported_not_raised(tmp_path: Path) -> None:
     negative old frontier's walk at block 0 (a mirror pushed negative by hand here)."""
     import msgspec
 
+    from tests.engine.test_continuation import checkpoint_at
+
     s = KVStore.open(small_config(tmp_path, pages=32, concurrency=4, context=1024))
-    a = s.activate(128, 64)
-    s.ensure_mapped(a, "main", 128)
-    s.commit(a, "main", 100)
-    ck = s.finish(a, retain=True)
-    with s.boundary():
-        pass
+    ck = checkpoint_at(s, 100, out=64)
     dst = s.activate_from(ck, 10, 100, 50, mode="fork")   # Fork of 0 pages + CopyTail(10)
     with s.boundary():
         pass
