@@ -2,8 +2,9 @@
 
 * ``replica``: tensor-parallel replicas — a ``Leader`` ships each boundary's journal records to
   ``Follower`` ranks, whose stores hold their shard of the KV heads and apply the same events.
-* ``transfer``: ``export`` / ``import_`` move an inactive checkpoint (metadata, frontiers, page
-  bytes) between stores, published by the receiver only after every page's CRC-32C matched.
+* ``transfer`` / ``receive``: ``export`` / ``import_`` move an inactive checkpoint (metadata,
+  frontiers, page bytes) between stores, published by the receiver only after every page's
+  CRC-32C matched (the protocol: ``transfer``'s docstring).
 
 docs/multi-gpu.md describes both topologies.
 """
@@ -24,7 +25,8 @@ from ninfer_kv.dist.errors import (
     TransferRefused,
 )
 from ninfer_kv.dist.replica import Follower, FollowerStore, Leader, Step, shard_config
-from ninfer_kv.dist.transfer import TransferReport, export, import_
+from ninfer_kv.dist.receive import import_
+from ninfer_kv.dist.transfer import TransferReport, export
 
 __all__ = [
     "DistError", "Follower", "FollowerStore", "Leader", "NotLeader", "PlanMismatch",

@@ -39,7 +39,7 @@ class ReplicaUnsupported(ReplicaError):
     """An event whose effect a follower does not run in this version (the host tier)."""
 
 
-# --- checkpoint transfer (transfer.py) ------------------------------------------------------
+# --- checkpoint transfer (transfer.py, receive.py) -----------------------------------------
 class TransferError(DistError):
     """A checkpoint transfer that did not publish."""
 

@@ -2,7 +2,7 @@
 
 Gloo moves CPU tensors; NCCL moves CUDA tensors, so on an NCCL group the same bytes travel
 through a buffer on the current CUDA device. Control messages are small; page payloads use
-the tensor calls of ``transfer.py`` directly.
+the tensor calls of ``transfer.py`` and ``receive.py`` directly.
 """
 
 from __future__ import annotations

@@ -316,9 +316,9 @@ def abort_worker(rank: int, port: int, out: str) -> None:
         if idx == 1:
             raise ValueError(f"hook failed on rank {rank}")
 
-    import ninfer_kv.dist.transfer as transfer
+    import ninfer_kv.dist.receive as receive
 
-    real_targets = transfer.targets
+    real_targets = receive.targets
     calls = [0]
 
     def failing_targets(kind: type[Exception]) -> Any:
@@ -338,7 +338,7 @@ def abort_worker(rank: int, port: int, out: str) -> None:
         calls[0] = 0
         if rank == 1 and case.startswith("recv-") and case != "recv-hook":
             kind = ValueError if case == "recv-value" else torch.OutOfMemoryError
-            transfer.targets = failing_targets(kind)
+            receive.targets = failing_targets(kind)
         t0 = time.monotonic()
         try:
             if rank == 0:
@@ -347,7 +347,7 @@ def abort_worker(rank: int, port: int, out: str) -> None:
                 import_(store, 0, on_chunk=hook)
         except TransferAborted as exc:
             res["errors"].append(f"TransferAborted: {exc}")
-        transfer.targets = real_targets
+        receive.targets = real_targets
         res.setdefault("seconds", []).append(time.monotonic() - t0)
         res.setdefault("states", []).append(state_of(store))
     if rank == 0:

@@ -1,0 +1,256 @@
+"""The receiving side of a checkpoint transfer: ``import_`` (see ``dist/transfer.py`` for the
+protocol, the §5.3 publication order across machines and how a failing side aborts both)."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import time
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+
+from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferError, TransferRefused
+from ninfer_kv.dist.packing import crcs, scatter, stage, targets
+from ninfer_kv.dist.transfer import (
+    MAGIC,
+    VERSION,
+    ChunkHook,
+    TransferReport,
+    _status,
+    layout_of,
+)
+from ninfer_kv.dist.wire import recv_bytes, wire_device
+from ninfer_kv.engine.layout import P, ceil_div
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import KVStoreError, StoreClosed
+
+log = structlog.get_logger(__name__)
+
+Pools = list[tuple[str, int, int, int, int]]
+"""(pool, frontier, pages, page bytes, pages per chunk) as the header announces them."""
+MAX_CHUNK = 1 << 30
+
+
+def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
+    if (h.get("magic"), h.get("version")) != (MAGIC, VERSION):
+        raise TransferRefused(f"header magic/version {h.get('magic')!r}/{h.get('version')} != "
+                              f"{MAGIC!r}/{VERSION}")
+    mine = layout_of(store)
+    differ = [f"{k}: sender {h['layout'].get(k)!r} != receiver {mine[k]!r}" for k in mine
+              if h["layout"].get(k) != mine[k]]
+    if differ:
+        raise TransferRefused("the sender's page layout differs, its bytes would be read as "
+                              "another model's KV (§4.3, §4.4): " + "; ".join(differ))
+    pools = [(str(n), int(f), int(k), int(pb), int(c)) for n, f, k, pb, c in h["pools"]]
+    if sorted(n for n, *_ in pools) != sorted(store.pools):
+        raise TransferRefused(f"sender pools {[n for n, *_ in pools]} != receiver pools "
+                              f"{list(store.pools)} (a continuation needs every pool, §8.3)")
+    for n, f, k, pb, c in pools:
+        if not 1 <= c * pb <= MAX_CHUNK or pb != mine["pools"][n]["page_bytes"]:
+            raise TransferRefused(f"pool {n}: chunks of {c} pages x {pb} B outside "
+                                  f"[1, {MAX_CHUNK}] B or page bytes not the receiver's")
+        if k != ceil_div(f, P):
+            raise TransferRefused(f"pool {n}: {k} pages for frontier {f}; a retained "
+                                  f"checkpoint holds ceil({f}/{P}) = {ceil_div(f, P)} (§8.2)")
+    return pools
+
+
+def _reserve(store: KVStore, pools: Pools) -> int:
+    """Activate a sequence (reserve + row lease, §7.3) and map every page it will hold."""
+    top = max(f for _, f, *_ in pools)
+    seq = store.activate(top, 0 if top else 1)
+    try:
+        for n, f, *_ in pools:
+            if f:
+                store.ensure_mapped(seq, n, f)
+    except BaseException:
+        _abort(store, seq)
+        raise
+    return seq
+
+
+def _abort(store: KVStore, seq: int) -> None:
+    """Finish without retain and publish: every page and row the sequence held is free."""
+    try:
+        store.finish(seq, retain=False, reason="transfer aborted")
+        with store.boundary():
+            pass
+    except KVStoreError as exc:  # a failed store frees nothing more; reopen recovers
+        log.error("transfer.abort_failed", seq=seq, error=str(exc))
+
+
+def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
+             on_chunk: ChunkHook | None) -> tuple[int, int, str | None]:
+    """Receive every chunk (double buffered) into the sequence's pages (in place when they are
+    consecutive, else through staging), verify each page's CRC. Returns (bytes, chunks, the
+    first CRC mismatch or None); after a mismatch the rest is drained and nothing published
+    (the pages belong to the unpublished sequence, which the caller then frees)."""
+    dev = wire_device(group)
+    plan = []
+    for n, _, k, pb, per in pools:
+        ids = [store.state.pools[n].pages[s].device  # type: ignore[union-attr]
+               for s in store.space(seq, n).members]
+        plan += [(n, a, ids[a:a + min(per, k - a)], pb) for a in range(0, k, per)]
+    posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], bool, list[Any]]] = {}
+    failed: BaseException | None = None  # ours, not the wire's: drain, then raise it
+
+    def post(ci: int) -> None:
+        """Post chunk ``ci``'s receives: into its pages (or staging) while all is well, into
+        staging to drain it once this side failed. Only the receives are the wire's."""
+        nonlocal failed
+        name, _, ids, _ = plan[ci]
+        if failed is None:
+            try:
+                sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
+                chunk, in_place = targets(store, name, ids, ci % 2, dev)
+            except Exception as exc:  # e.g. staging could not grow: drain from here on
+                failed = exc
+        if failed is not None:
+            try:
+                sums = torch.empty(len(ids), dtype=torch.int64, device=dev)
+                chunk, in_place = stage(store, name, len(ids), ci % 2, dev), False
+            except Exception as exc:  # cannot even drain: the wire cannot stay in step
+                raise _WireError(f"cannot drain chunk {ci}: {exc!r}") from exc
+        try:
+            works = [dist.irecv(c, src, group=group) for c in chunk]
+            works.append(dist.irecv(sums, src, group=group))
+        except RuntimeError as exc:
+            raise _WireError(str(exc)) from exc
+        posted[ci] = (sums, chunk, in_place, works)
+
+    bad: str | None = None
+    moved = 0
+    if plan:
+        post(0)
+    for ci, (name, a, ids, pb) in enumerate(plan):
+        sums, chunk, in_place, works = posted.pop(ci)
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:  # the wire: nothing more will arrive
+            raise _WireError(str(exc)) from exc
+        if ci + 1 < len(plan):
+            post(ci + 1)
+        moved += len(ids) * pb
+        if bad is not None or failed is not None:
+            continue
+        try:
+            idx = ci - next(i for i, c in enumerate(plan) if c[0] == name)
+            if on_chunk is not None:
+                on_chunk(name, idx, chunk)
+            want = sums.cpu().tolist()
+            if min(want) < 0:
+                bad = f"the sender aborted at pool {name} block {a}"
+                continue
+            got = crcs(chunk)
+            for i, (g, w) in enumerate(zip(got, [x & 0xFFFFFFFF for x in want], strict=True)):
+                if g != w:
+                    bad = (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received "
+                           f"bytes != sender's {w:#010x}")
+                    break
+            if bad is None and not in_place:
+                scatter(store, name, ids, chunk)
+        except Exception as exc:
+            failed = exc
+    if failed is not None:
+        raise failed
+    return moved, len(plan), bad
+
+
+class _WireError(RuntimeError):
+    """A recv failed: the peer is gone or the group timed out."""
+
+
+def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook | None = None
+            ) -> TransferReport:
+    """Receive one checkpoint from rank ``src`` (running ``export``) and publish it in
+    ``store`` once every page verified; returns the report with the new checkpoint id."""
+    src = operator.index(src)
+    if store.closed:
+        raise StoreClosed("import_ refused: the store is closed")
+    if store.record_hook is not None:
+        raise TransferRefused("import_ refused: this store streams its records to TP followers "
+                              "(a Leader), which would get the checkpoint without its bytes")
+    try:
+        h = msgspec.msgpack.decode(recv_bytes(src, group))
+    except RuntimeError as exc:
+        raise TransferAborted(f"import from rank {src}: no header ({exc})") from exc
+    except msgspec.DecodeError as exc:
+        raise TransferRefused(f"import from rank {src}: the header does not decode ({exc})"
+                              ) from None
+    if isinstance(h, dict) and h.get("refused"):  # the sender refused before any byte moved
+        raise TransferRefused(f"rank {src} refused the export: {h['refused']}")
+    t0 = time.perf_counter()  # from the header's arrival: waiting for a sender is not transfer
+    try:
+        try:
+            pools = _check_header(store, h)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TransferRefused(f"import from rank {src}: malformed header ({exc!r})"
+                                  ) from None
+        seq = _reserve(store, pools)
+    except KVStoreError as exc:
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, kind="refused", error=f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, TransferError):
+            raise
+        raise TransferRefused(f"import from rank {src}: {type(exc).__name__}: {exc}") from exc
+    try:
+        _status(src, group, ok=True)
+        with store.boundary():  # tables published; the pages are this sequence's alone
+            moved, chunks, bad = _receive(store, seq, pools, src, group, on_chunk)
+    except BaseException as exc:
+        _abort(store, seq)
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if not isinstance(exc, _WireError):  # every chunk arrived: the sender waits for this
+            with contextlib.suppress(RuntimeError):
+                _status(src, group, ok=False, kind="aborted", error=why)
+        raise TransferAborted(f"import from rank {src} aborted mid-transfer, nothing published "
+                              f"and every reserved page freed: {why}") from exc
+    if bad is not None:
+        _abort(store, seq)
+        kind = "aborted" if bad.startswith("the sender aborted") else "corrupt"
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, kind=kind, error=bad)
+        if kind == "aborted":
+            raise TransferAborted(f"import from rank {src}: {bad}; checkpoint not published, "
+                                  "its pages freed")
+        raise TransferCorrupt(f"import from rank {src}: {bad}; checkpoint not published, its "
+                              "pages freed (§5.3: verify before publish)")
+    try:
+        ck = _publish(store, seq, pools, h)
+    except BaseException as exc:  # the sender waits for an answer: give it one
+        b = store.state.bundles.get(seq)
+        if b is not None and b.active and not store.closed:  # not retained: free it
+            _abort(store, seq)
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, kind="aborted",
+                    error=f"publication failed: {type(exc).__name__}: {exc}")
+        raise
+    with contextlib.suppress(RuntimeError):
+        _status(src, group, ok=True, checkpoint=ck)
+    dt = time.perf_counter() - t0
+    n = sum(k for _, _, k, *_ in pools)
+    log.info("transfer.imported", checkpoint=ck, src=src, pages=n, bytes=moved, seconds=dt)
+    return TransferReport(ck, int(h["checkpoint"]), n, moved, chunks, dt)
+
+
+def _publish(store: KVStore, seq: int, pools: Pools, h: dict[str, Any]) -> int:
+    """Commit the frontiers, attach the metadata, retain: one record (publication)."""
+    if store.config.checked:  # every committed position was written, in every layer
+        for n, f, *_ in pools:
+            for layer in range(len(store.device.pools[n].planes)):
+                store._written.setdefault((n, seq, layer), set()).update(range(f))
+    for n, f, *_ in pools:
+        if f:
+            store.commit(seq, n, f)
+    if h.get("meta"):
+        store.set_metadata(seq, msgspec.msgpack.decode(h["meta"]))
+    reason = h.get("reason")
+    store.finish(seq, retain=True, reason="imported" if reason is None else str(reason))
+    with store.boundary():
+        pass
+    return seq
