@@ -184,6 +184,8 @@ class PrefixIndex:
                    like: PrefixIndex | None = None) -> PrefixIndex:
         """``from_store`` over a bare store state — ``replay(journal).state``: the index is
         derived state, so a replayed journal rebuilds the live one."""
+        if like is not None and not isinstance(like, PrefixIndex):
+            raise InvalidArgument(f"from_state: like={like!r} must be a PrefixIndex")
         if like is None:
             idx = cls(64 if block is None else block)
         elif block is not None and as_int("block", block) != like.block:

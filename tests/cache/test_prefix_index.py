@@ -238,6 +238,8 @@ def test_rebuilt_with_the_hash_of_the_index_it_replaces(tmp_path: Path) -> None:
     assert PrefixIndex.from_store(s)._keys[ck] != live._keys[ck]  # the default: other keys
     with pytest.raises(InvalidArgument, match="block=64 differs from like.block=16"):
         PrefixIndex.from_store(s, block=64, like=live)
+    with pytest.raises(InvalidArgument, match="must be a PrefixIndex"):
+        PrefixIndex.from_store(s, like="vllm")  # type: ignore[arg-type]
     s.close()
 
 

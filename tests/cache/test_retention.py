@@ -205,17 +205,24 @@ def _host_store() -> KVStore:
         host_bytes=8 << 20))
 
 
-def test_a_partly_demoted_checkpoint_is_freed_once_its_pages_are_its_own_again() -> None:
-    """Review repro: a demotion leaves the pages a running fork maps; when the fork ends the
-    checkpoint is their sole holder, and make_room must free them (it skipped the entry as
-    'demoted' forever, and the simulator livelocked)."""
+def _offloaded_and_retained(tokens: int) -> tuple[KVStore, LruRetention, int]:
+    """(store, policy, ck): a checkpoint of ``tokens`` offloaded (still on the device) and
+    tracked by the policy."""
     store = _host_store()
     pol = LruRetention()
-    ck = _retained(store, 1000)
+    ck = _retained(store, tokens)
     store.offload(ck)
     with store.boundary():
         pass
     pol.retain(ck, (1,))
+    return store, pol, ck
+
+
+def test_a_partly_demoted_checkpoint_is_freed_once_its_pages_are_its_own_again() -> None:
+    """Review repro: a demotion leaves the pages a running fork maps; when the fork ends the
+    checkpoint is their sole holder, and make_room must free them (it skipped the entry as
+    'demoted' forever, and the simulator livelocked)."""
+    store, pol, ck = _offloaded_and_retained(1000)
     fork = store.activate_from(ck, 1000, 1000, 50)        # maps 15 of its 16 pages
     with store.boundary():
         pass
@@ -236,13 +243,7 @@ def test_a_partly_demoted_checkpoint_is_freed_once_its_pages_are_its_own_again()
 def test_make_host_room_never_releases_a_device_resident_checkpoint() -> None:
     """Review repro: its page pinned by a queued copy, drop_host frees nothing now — the
     checkpoint is skipped, not released."""
-    store = _host_store()
-    pol = LruRetention()
-    ck = _retained(store, 40)
-    store.offload(ck)
-    with store.boundary():
-        pass
-    pol.retain(ck, (1,))
+    store, pol, ck = _offloaded_and_retained(40)
     store.activate_from(ck, 30, 30, 10)                   # a queued tail copy pins the page
     assert pol.make_host_room(store) is None
     assert ck in store.checkpoints() and ck in pol.entries
