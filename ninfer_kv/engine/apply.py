@@ -223,25 +223,46 @@ def _share(st: StoreState, e: ev.Share) -> None:
     assert src.active and 0 <= e.full_pages * P <= src.committed, \
         f"Share of {e.src} in {e.pool}: {e.full_pages} pages"
     shared = members_of(pool, src)[:e.full_pages]
-    assert pool.pg_live[shared].all(), f"Share of {e.src}: a dead page in its membership"
-    np.add.at(pool.pg_refs, shared, 1)
+    _new_checkpoint(st, pool, e.dst, shared, "shared", f"Share of {e.src}")
     pool.pg_writer[shared] = NO_PAGE
     pool.pg_protected[shared] = P
     src.protected = max(src.protected, e.full_pages * P)
-    dst = pool.spaces[e.dst] = KVAddressSpace(pool, e.dst, 0, NO_ROW)
+
+
+def _prefix(st: StoreState, e: ev.Prefix) -> None:
+    """An inactive checkpoint's first ``full_pages`` pages become a new inactive checkpoint's
+    too. They are immutable already (no writer; full pages, every column committed)."""
+    pool = st.pools[e.pool]
+    src = pool.spaces[e.src]
+    assert not src.active and 0 <= e.full_pages * P <= src.committed, \
+        f"Prefix of {e.src} in {e.pool}: {e.full_pages} pages of an inactive checkpoint"
+    _new_checkpoint(st, pool, e.dst, members_of(pool, src)[:e.full_pages], "prefix",
+                    f"Prefix of {e.src}")
+
+
+def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.ndarray,
+                    reason: str, what: str) -> None:
+    """Inactive checkpoint ``dst_id`` holds ``shared`` (whole pages) in ``pool``: a new bundle,
+    or the one an earlier event of the same command made in another pool."""
+    assert dst_id not in pool.spaces, f"{what} into {dst_id}: it has a space in {pool.name}"
+    b = st.bundles.get(dst_id)
+    assert b is None or (not b.active and b.finish_reason == reason), \
+        f"{what} into {dst_id}: an existing bundle that is not this {reason} checkpoint"
+    assert pool.pg_live[shared].all(), f"{what}: a dead page in its membership"
+    np.add.at(pool.pg_refs, shared, 1)
+    dst = pool.spaces[dst_id] = KVAddressSpace(pool, dst_id, 0, NO_ROW)
     dst.active = False
     dst.members = shared
-    dst.committed = dst.protected = e.full_pages * P
-    b = st.bundles.get(e.dst)
+    dst.committed = dst.protected = len(shared) * P
     if b is None:
-        b = st.bundles[e.dst] = SequenceKVBundle(e.dst, (e.pool,))
-        b.finish_reason = "shared"  # no parent: nothing was continued (the owner is a prefix's
-        # superset, and retention evicts leaves before parents)
-        b.budget = e.full_pages * P
+        b = st.bundles[dst_id] = SequenceKVBundle(dst_id, (pool.name,))
+        b.finish_reason = reason  # no parent: nothing was continued (a prefix of its source,
+        # which retention evicts leaves-first before its parents)
+        b.budget = len(shared) * P
     else:
-        b.pools = (*b.pools, e.pool)
-    if e.dst >= st.next_bundle:
-        st.next_bundle = e.dst + 1
+        b.pools = (*b.pools, pool.name)
+    if dst_id >= st.next_bundle:
+        st.next_bundle = dst_id + 1
 
 
 def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
@@ -382,6 +403,7 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Move: _move,
     ev.Fork: _fork,
     ev.Share: _share,
+    ev.Prefix: _prefix,
     ev.CopyTail: _copy_tail,
     ev.HostConfigure: _host_configure,
     ev.HostReserve: _host_reserve,

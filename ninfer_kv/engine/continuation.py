@@ -12,7 +12,8 @@ or Fork from the real references (§7.3 last paragraph):
 
 ``share_prefix`` goes the other way: a *running* sequence's whole committed pages become a new
 inactive checkpoint (``Share``), which others Fork from while the owner keeps decoding above
-them (live prefix sharing).
+them (live prefix sharing). ``release_tail`` replaces an inactive checkpoint by its first whole
+pages (``Prefix`` + ``Release``): a cache gives up a request's tail before its prompt.
 
 Planning walks the eight steps of §7.3 for every enabled pool before any event is emitted, so
 a failure at any step (including one injected through ``store.fault_hook``) leaves the prior
@@ -232,6 +233,28 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
                             f"(P={P}); only full, committed pages are shared")
     dst = st.next_bundle
     store._emit(*(ev.Share(bundle, dst, pool, f // P) for pool in b.pools))
+    return dst
+
+
+def release_tail(store: Txn, checkpoint: int, frontier: int) -> int | None:
+    """``KVStore.release_tail``: validate, then a ``Prefix`` per pool (when a whole page is
+    kept) and a ``Release`` per pool, in one record."""
+    st = store.state
+    checkpoint = as_int("checkpoint", checkpoint)
+    frontier = as_int("frontier", frontier, lo=0)
+    b = st.bundles.get(checkpoint)
+    if b is None or b.active:
+        raise UnknownHandle(f"release_tail: {checkpoint} is not an inactive checkpoint")
+    committed = min(st.pools[pool].spaces[checkpoint].committed for pool in b.pools)
+    if frontier > committed:
+        raise FrontierError(f"release_tail: checkpoint {checkpoint} keeps at most its frontier "
+                            f"{committed} (lowest over pools {list(b.pools)}), not {frontier}")
+    keep = frontier // P
+    dst = st.next_bundle if keep else None
+    events: list[Any] = [ev.Prefix(checkpoint, dst, pool, keep) for pool in b.pools] if keep \
+        else []
+    events.extend(ev.Release(checkpoint, pool) for pool in b.pools)
+    store._emit(*events)
     return dst
 
 

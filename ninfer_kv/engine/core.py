@@ -39,7 +39,7 @@ log = structlog.get_logger(__name__)
 
 
 SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
-                   ev.Move, ev.Share, ev.HostPublish, ev.HostAbort, ev.HostDrop,
+                   ev.Move, ev.Share, ev.Prefix, ev.HostPublish, ev.HostAbort, ev.HostDrop,
                    ev.SetMetadata)
 """Events that change what a reopen keeps: the configuration, which checkpoints exist, their
 metadata and which host replicas they have. Every other event touches only active sequences, which a

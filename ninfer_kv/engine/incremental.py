@@ -340,6 +340,7 @@ _HANDLERS: dict[type, Callable[[IncrementalChecker, Any, list[str]], None]] = {
     ev.Move: lambda self, e, out: self._spaces_event(e.pool, [e.src, e.dst], out, True),
     ev.Fork: lambda self, e, out: self._spaces_event(e.pool, [e.dst], out, True),
     ev.Share: lambda self, e, out: self._spaces_event(e.pool, [e.src, e.dst], out, True),
+    ev.Prefix: lambda self, e, out: self._spaces_event(e.pool, [e.src, e.dst], out, True),
     ev.CopyTail: lambda self, e, out: self._spaces_event(e.pool, [e.dst], out, True),
     ev.HostReserve: lambda self, e, out: self._host_transfer(e, out),
     ev.HostPublish: lambda self, e, out: self._host_transfer(e, out),

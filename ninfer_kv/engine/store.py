@@ -289,6 +289,15 @@ class KVStore(StoreCore):
             raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
         self._emit(*(ev.Release(checkpoint, pool) for pool in b.pools))
 
+    def release_tail(self, checkpoint: int, frontier: int) -> int | None:
+        """Give up the pages of inactive ``checkpoint`` above its first ``frontier // P``
+        whole pages: a new checkpoint holds those (returned; ``None`` when no whole page is
+        kept) and ``checkpoint`` is released, in one record. A page frees with its last
+        reference (§8.3); the prefix stays continuable — vLLM frees a cached request's blocks
+        tail first for the same reason. Metadata is not carried over (``set_metadata``)."""
+        self._usable("release_tail")
+        return continuation.release_tail(self, checkpoint, frontier)
+
     # --- engine metadata and read-only answers (engine/info.py) -----------------------------
     def set_metadata(self, bundle: int, metadata: Any) -> None:
         """Attach ``metadata`` (anything msgpack can encode: token ids, a model tag, ...; at

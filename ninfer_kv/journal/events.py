@@ -18,12 +18,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 6)
+SCHEMA: tuple[int, int] = (1, 7)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
 1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
 Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent; 1.5 added
 the SetMetadata tag (engine metadata of a sequence or checkpoint); 1.6 added the Share tag
-(a running sequence's full-page prefix published as an inactive checkpoint)."""
+(a running sequence's full-page prefix published as an inactive checkpoint); 1.7 added the
+Prefix tag (an inactive checkpoint's full-page prefix as a new one: ``release_tail``)."""
 
 METADATA_MAX = 1 << 20
 """Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
@@ -215,6 +216,18 @@ class Share(_Event, tag="share"):
     full_pages: int
 
 
+class Prefix(_Event, tag="pfx"):
+    """New inactive checkpoint ``dst`` holds the first ``full_pages`` (fully committed) pages
+    of inactive checkpoint ``src``: an immutable prefix of an immutable checkpoint (§8.3,
+    §9.2). With ``Release(src)`` in the same record it gives up ``src``'s tail pages
+    (``KVStore.release_tail``), as a retention policy evicts a cached request tail first."""
+
+    src: int
+    dst: int
+    pool: str
+    full_pages: int
+
+
 class Fork(_Event, tag="fork"):
     """``dst`` gains an immutable reference to the first ``full_pages`` pages of ``src``."""
 
@@ -320,7 +333,8 @@ class Unpin(_Event, tag="unpin"):
 
 
 Event = (Configure | Recovered | Activate | PublishActive | Finish | Release | Materialize | CommitFrontiers
-         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | Share | CopyTail | HostConfigure
+         | ProvisionalFrontiers | Trim | Truncate | Grow | Move | Fork | Share | Prefix | CopyTail
+         | HostConfigure
          | HostReserve | HostPublish | HostAbort | HostDrop | DeviceDrop | DeviceRestore | Pin
          | Unpin | SetMetadata)
 

@@ -403,6 +403,21 @@ class SharingMachine(StoreMachine):
                 self.content[(dst, p)] = self.content[(b, p)][:f]
 
 
+    @precondition(lambda self: self.store.checkpoints())
+    @rule(data=st.data(), frac=st.floats(0, 1))
+    def release_tail(self, data, frac: float) -> None:  # noqa: ANN001
+        """A cache gives up a checkpoint's tail: its first whole pages live on as a new one."""
+        ck = data.draw(st.sampled_from(self.checkpoints))
+        f = int(self.committed(ck) * frac)
+        new = self.attempt("release_tail", self.store.release_tail, ck, f)
+        if new is None:
+            return
+        self.doomed.add(ck)
+        if new is not True:
+            for p in self.pools:
+                self.content[(new, p)] = self.content[(ck, p)][:f // P * P]
+
+
 class MtpMachine(StoreMachine):
     backend = Backend.MTP
 
@@ -415,8 +430,8 @@ EVERY = ("activate", "ensure_mapped_many", "commit_many", "ensure_mapped", "set_
          "trim", "truncate", "finish", "release", "activate_from", "offload", "drop_device",
          "drop_host", "grow", "boundary", "snapshot", "compact", "reopen", "crash",
          "continue_host_only_move", "continue_host_only_fork")
-SHARING_EVERY = ("activate", "commit_many", "share_prefix", "fork_live", "activate_from",
-                 "finish", "release", "offload", "crash", "reopen")
+SHARING_EVERY = ("activate", "commit_many", "share_prefix", "fork_live", "release_tail",
+                 "activate_from", "finish", "release", "offload", "crash", "reopen")
 
 
 @pytest.mark.parametrize("machine,examples,min_steps", [

@@ -54,6 +54,7 @@ CASES: dict[str, tuple[bool, Callable[[KVStore, int], object]]] = {
                                                   mode="move")),
     "host-publish": (False, lambda s, ck: s.offload(ck)),
     "drop-host": (True, lambda s, ck: s.drop_host(ck)),
+    "release-tail": (False, lambda s, ck: s.release_tail(ck, 64)),
     "metadata": (False, lambda s, ck: s.set_metadata(ck, {"tokens": [1, 2]})),
 }
 

@@ -1,0 +1,109 @@
+"""``KVStore.release_tail`` (the ``Prefix`` event + ``Release``): an inactive checkpoint gives
+up the pages above its first whole pages, and its prefix stays continuable — as vLLM frees a
+cached request's blocks tail first, so its prompt outlives its generated tail."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.capacity import Backend
+from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import FrontierError, FrozenUnit, InvalidArgument, UnknownHandle
+from ninfer_kv.journal import events as ev
+from ninfer_kv.replay import replay
+from tests.engine.conftest import assert_refusals_change_nothing, crash, small_config
+from tests.engine.test_continuation import checkpoint_at, page_bytes, running, step
+from tests.engine.test_host_tier import host_store
+
+
+def device_bytes(s: KVStore, ck: int) -> dict[str, list[list[torch.Tensor]]]:
+    return {pool: [page_bytes(s, pool, s.state.pools[pool].pages[x].device)
+                   for x in s.space(ck, pool).members] for pool in s.pools}
+
+
+@pytest.mark.parametrize("backend", [Backend.OFF, Backend.MTP, Backend.DFLASH])
+def test_the_tail_frees_and_the_prefix_continues(tmp_path: Path, backend: Backend) -> None:
+    s = KVStore.open(small_config(tmp_path, backend=backend, checked=True))
+    ck = checkpoint_at(s, 5 * P + 10)                  # 6 pages per pool, the last partial
+    other = s.activate_from(ck, 2 * P, 2 * P + 1, 10)  # a Fork: shares the first two pages
+    step(s)
+    before = device_bytes(s, ck)
+    free0 = s.occupancy()["main"]["available"]
+    new = s.release_tail(ck, 3 * P + 40)              # keeps three whole pages
+    step(s)
+    assert new is not None and ck not in s.state.bundles
+    assert s.occupancy()["main"]["available"] == free0 + 3  # the three it held alone
+    for pool in s.pools:
+        assert s.space(new, pool).committed == 3 * P
+        for got, want in zip(device_bytes(s, new)[pool], before[pool][:3], strict=True):
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    info = s.checkpoint_info(new)
+    assert info.parent is None and info.pools["main"].pages == 3
+    c = s.activate_from(new, 3 * P, 3 * P + 1, 10)     # the prefix continues
+    step(s)
+    assert s.space(c).members[:2] == s.space(other).members[:2]
+    again = s.release_tail(new, P - 1)                 # no whole page kept: a plain release
+    step(s)
+    assert again is None and new not in s.state.bundles
+    s.close()
+    r = replay(str(tmp_path / "journal"), verify_every=1)
+    assert r.digest == s.digest() and not r.violations
+
+
+def test_refusals_change_nothing(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 2 * P + 3)
+    a = running(s, 100)
+    assert_refusals_change_nothing(s, [
+        (UnknownHandle, "999 is not an inactive checkpoint", lambda: s.release_tail(999, P)),
+        (UnknownHandle, f"{a} is not an inactive", lambda: s.release_tail(a, P)),
+        (FrontierError, "at most its frontier 131", lambda: s.release_tail(ck, 2 * P + 4)),
+        (InvalidArgument, "frontier", lambda: s.release_tail(ck, -1)),
+        (InvalidArgument, "frontier", lambda: s.release_tail(ck, 1.5)),  # type: ignore[arg-type]
+    ])
+    s.close_boundary()
+    with pytest.raises(FrozenUnit):
+        s.release_tail(ck, P)
+    s.unit_complete()
+    s.close()
+
+
+def test_the_kept_prefix_survives_a_restart_and_the_old_checkpoint_does_not(
+        tmp_path: Path) -> None:
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 4 * P)
+    s.offload(ck)
+    step(s)
+    new = s.release_tail(ck, 2 * P)
+    step(s)
+    assert s.checkpoint_info(new).survives_restart
+    crash(s)
+    s2 = KVStore.open(s.config)
+    assert set(s2.checkpoints()) == {new} and s2.space(new).committed == 2 * P
+    s2.check_invariants()
+    s2.close()
+
+
+def test_a_damaged_prefix_or_share_is_refused(tmp_path: Path) -> None:
+    """A Prefix needs an inactive source; neither a Prefix nor a Share may land on a bundle
+    that has a space in the pool already (a damaged Share overwrote it: its pages' references
+    leaked and the bundle's membership was lost)."""
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 2 * P)
+    a = running(s, 2 * P)
+    st = copy.deepcopy(s.state)
+    refs = st.pools["main"].pg_refs.copy()
+    for bad, match in [(ev.Prefix(a, st.next_bundle, "main", 1), "inactive"),
+                       (ev.Prefix(ck, st.next_bundle, "main", 3), "inactive"),
+                       (ev.Prefix(ck, a, "main", 1), "has a space"),
+                       (ev.Share(a, ck, "main", 1), "has a space")]:
+        with pytest.raises(AssertionError, match=match):
+            apply(st, bad)
+        assert (st.pools["main"].pg_refs == refs).all()
+    s.close()
