@@ -102,7 +102,15 @@ class EntitlementExceeded(StateError):
 
 
 class CapacityExhausted(StateError):
-    """Not enough available page groups or execution rows in a pool to reserve (spec §5.2, §7.2)."""
+    """Not enough available page groups or execution rows in a pool to reserve (spec §5.2, §7.2).
+
+    ``pool`` names the pool and ``short`` the page groups it lacks: a caller that frees that
+    many there (evicts a cached prefix) can retry; 0 when the execution rows are the limit."""
+
+    def __init__(self, message: str, *, pool: str = "", short: int = 0) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.short = short
 
 
 class FrozenUnit(StateError):

@@ -125,7 +125,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         if need > p.available:
             raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
                                     f"({len(missing)} to restore from host), {p.available} "
-                                    "available")
+                                    "available", pool=pool, short=need - p.available)
         pl.update(move=move, held=held, tail=tail, missing=missing)
     for pool, pl in plans.items():                              # 3. restore Host-only pages
         if hook:
@@ -161,7 +161,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             hook("rows", pool)
         p = st.pools[pool]
         if not p.free_rows:
-            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
+            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased",
+                                    pool=pool)
         rows[pool] = p.free_rows.first()
     for pool in plans:                                          # 7/8. tables, publish
         if hook:
@@ -307,9 +308,11 @@ def fork_live(store: Txn, bundle: int, frontier: int | Mapping[str, int] | None,
         ent = store.entitlement_pages(pool, fs[pool], total)
         if ent - full > p.available:
             raise CapacityExhausted(f"pool {pool}: fork_live needs {ent - full} pages, "
-                                    f"{p.available} available")
+                                    f"{p.available} available", pool=pool,
+                                    short=ent - full - p.available)
         if not p.free_rows:
-            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased")
+            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased",
+                                    pool=pool)
         cow = None
         if tail:
             src_slot = sp.member(full)

@@ -33,6 +33,9 @@ class GrowResult:
     """Pages added to entitlements, per pool."""
     exhausted: dict[int, int] = field(default_factory=dict)
     """seq -> token frontier its entitlement covers; end these with reason ``length``."""
+    short: dict[str, int] = field(default_factory=dict)
+    """Pages each pool lacks for its exhausted sequences' next step and cushion: what a
+    caller frees there (evicts a cached prefix) before it retries ``grow``."""
 
 
 def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
@@ -70,6 +73,8 @@ def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
         need = np.minimum(np.minimum(budget, committed + step_tokens + cfg.lease_cushion) + lead,
                           pool.logical_pages * P)  # nothing is entitled past L pages
         short = -(-need // P) > ent               # the step and its cushion would not fit
+        if short.any():
+            res.short[name] = int((-(-need[short] // P) - ent[short]).sum())
         for b, c in zip(ids[short].tolist(), np.maximum(committed, ent * P - lead)[short].tolist(),
                         strict=True):
             covers[b] = min(covers.get(b, 1 << 62), c)

@@ -147,10 +147,11 @@ class KVStore(StoreCore):
             if n > p.available:
                 raise CapacityExhausted(f"pool {name}: need {n} pages, {p.available} available "
                                         f"(allocated {p.allocated}, reserved {p.reserved}, "
-                                        f"capacity {p.capacity})")
+                                        f"capacity {p.capacity})", pool=name,
+                                        short=n - p.available)
             if not p.free_rows:
                 raise CapacityExhausted(f"pool {name}: all {p.rows} execution rows are leased "
-                                        f"(max_concurrency C={p.rows})")
+                                        f"(max_concurrency C={p.rows})", pool=name)
 
     # --- mapping (§8.1) -------------------------------------------------------------------------
     def ensure_mapped(self, bundle: int, pool: str | PoolKind, tokens: int) -> int:
