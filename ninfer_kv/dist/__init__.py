@@ -19,18 +19,21 @@ from ninfer_kv.dist.errors import (
     ReplicaDiverged,
     ReplicaError,
     ReplicaUnsupported,
+    StreamBroken,
     TransferAborted,
     TransferCorrupt,
     TransferError,
     TransferRefused,
 )
-from ninfer_kv.dist.replica import Follower, FollowerStore, Leader, Step, shard_config
+from ninfer_kv.dist.follower import Follower, FollowerStore, Step
 from ninfer_kv.dist.receive import import_
+from ninfer_kv.dist.replica import Leader, shard_config
 from ninfer_kv.dist.transfer import TransferReport, export
 
 __all__ = [
     "DistError", "Follower", "FollowerStore", "Leader", "NotLeader", "PlanMismatch",
     "RecordRefused", "ReplicaDiverged", "ReplicaError", "ReplicaUnsupported", "Step",
+    "StreamBroken",
     "TransferAborted", "TransferCorrupt", "TransferError", "TransferRefused", "TransferReport",
     "export", "import_", "shard_config",
 ]

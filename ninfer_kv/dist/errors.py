@@ -31,6 +31,12 @@ class ReplicaDiverged(ReplicaError):
     reach: the follower stopped (fail-stop) and must be rebuilt."""
 
 
+class StreamBroken(ReplicaError):
+    """The record stream broke: a follower's receive failed (the leader died, the link
+    dropped) or a leader's send did. Nothing can re-send what was lost, so that side stopped
+    (fail-stop) and the TP group must be rebuilt."""
+
+
 class NotLeader(ReplicaError):
     """A command on a follower store: followers apply the leader's records and never choose."""
 

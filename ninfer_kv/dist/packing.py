@@ -41,13 +41,13 @@ def consecutive(ids: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
 
 
-_STAGING: dict[tuple[str, int], torch.Tensor] = {}
+_STAGING: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
-def staging(device: torch.device, slot: int, size: int) -> torch.Tensor:
+def staging(device: torch.device, slot: int, plane: int, size: int) -> torch.Tensor:
     """A reusable byte buffer (grown on demand): a fresh one per chunk would pay a page fault
     per 4 KiB on first touch, about as long as the copy itself."""
-    key = (str(device), slot)
+    key = (str(device), slot, plane)
     t = _STAGING.get(key)
     if t is None or t.numel() < size:
         t = _STAGING[key] = torch.empty(size, dtype=torch.uint8, device=device)
@@ -59,7 +59,7 @@ def _stage(views: list[torch.Tensor], k: int, slot: int, device: torch.device
     out = []
     for p, pv in enumerate(views):
         n = pv.shape[1] * pv.shape[2]
-        out.append(staging(device, slot * 1024 + p, k * n).view(k, pv.shape[1], pv.shape[2]))
+        out.append(staging(device, slot, p, k * n).view(k, pv.shape[1], pv.shape[2]))
     return out
 
 

@@ -29,8 +29,10 @@ def wire_device(group: Any = None) -> torch.device:
 
 def send_bytes(data: bytes | bytearray | memoryview, dst: int, group: Any = None) -> None:
     dst = operator.index(dst)
-    dev = wire_device(group)
     n = len(data)
+    if n > MAX_MESSAGE:  # refused before a byte moves: the receiver would refuse the length
+        raise DistError(f"a message of {n} bytes to rank {dst} exceeds {MAX_MESSAGE}")
+    dev = wire_device(group)
     dist.send(torch.tensor([n], dtype=torch.int64, device=dev), dst, group=group)
     if n:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)

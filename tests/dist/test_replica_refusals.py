@@ -17,34 +17,14 @@ from ninfer_kv.dist import (
     ReplicaError,
     shard_config,
 )
-from ninfer_kv.dist.replica import MSG_MAGIC
+from ninfer_kv.dist.stream import MSG_MAGIC, decode_message
 from tests.dist import workers as w
 
 
 def frames_of(message: bytes) -> list[bytes]:
-    magic, _, _, _, _, frames = msgspec.msgpack.decode(message[:-4])
-    assert magic == MSG_MAGIC
-    return list(frames)
-
-
-@pytest.fixture
-def pair() -> tuple[KVStore, Leader, Follower, list[bytes]]:
-    cfg = shard_config(w.config(), 2)
-    sent: list[bytes] = []
-    store = KVStore.open(cfg)
-    leader = Leader(store, sent.append)
-    follower = Follower.from_hello(cfg, sent.pop(0))
-    assert follower.store.digest() == store.digest()
-    s = store.activate(100, 10)                      # record 1: activate
-    store.ensure_mapped(s, "main", 100)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 100)                     # record 2: commit + second sequence
-    store.activate(20, 5)
-    with leader.boundary():
-        pass
-    yield store, leader, follower, sent
-    store.close()
+    m = decode_message(message)
+    assert m.magic == MSG_MAGIC
+    return list(m.frames)
 
 
 def test_reordered_record_is_refused_and_nothing_applied(pair) -> None:  # noqa: ANN001
@@ -120,7 +100,7 @@ def test_shard_config_refuses_a_tp_that_does_not_divide_the_heads() -> None:
 
 
 def test_records_of_another_stream_or_undecodable_are_refused(pair) -> None:  # noqa: ANN001
-    from ninfer_kv.dist.replica import CODEC
+    from ninfer_kv.journal.events import CODEC
     from ninfer_kv.journal.format import pack_record
 
     store, _, follower, sent = pair
@@ -147,29 +127,29 @@ def test_records_of_another_stream_or_undecodable_are_refused(pair) -> None:  # 
     second.close()
 
 
-def test_host_tier_records_are_refused_on_a_follower() -> None:
+def test_host_tier_records_are_refused_on_a_follower(pair) -> None:  # noqa: ANN001
+    """A leader with a host tier is refused at attach (its first offload would stop every
+    follower); a record holding host-tier events (another leader's) is refused whole."""
     from ninfer_kv.dist import ReplicaUnsupported
+    from ninfer_kv.journal import events as ev
+    from ninfer_kv.journal.events import CODEC
+    from ninfer_kv.journal.format import pack_record
 
-    cfg = shard_config(w.config(host_bytes=1 << 22), 2)
-    sent: list[bytes] = []
-    store = KVStore.open(cfg)
-    leader = Leader(store, sent.append)
-    follower = Follower.from_hello(cfg, sent.pop(0))
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    store.commit(s, "main", 64)
-    ck = store.finish(s, retain=True)
-    with leader.boundary():
-        pass
-    follower.accept(sent.pop(0))
+    host = KVStore.open(shard_config(w.config(host_bytes=1 << 22), 2))
+    with pytest.raises(ReplicaUnsupported, match="host_bytes=0"):
+        Leader(host, lambda m: None)
+    host.close()
+    store, _, follower, sent = pair
+    for m in sent:
+        follower.accept(m)
     before = follower.store.digest()
-    store.offload(ck)
-    with leader.boundary():
-        pass
-    with pytest.raises(ReplicaUnsupported, match="host-tier"):
-        follower.accept(sent.pop(0))
-    assert follower.store.digest() == before
-    store.close()
+    for e in (ev.HostReserve("main", ev.pack([0]), ev.pack_i64([0])),
+              ev.DeviceRestore("main", ev.pack([0]), ev.pack([0]))):
+        rec, _ = pack_record(follower.store.state.seq + 1, follower.last_crc, follower.salt, 0,
+                             CODEC.encode([e]))
+        with pytest.raises(ReplicaUnsupported, match="host-tier"):
+            follower.apply_records([rec])
+        assert follower.store.digest() == before
 
 
 def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
@@ -230,24 +210,25 @@ def test_one_store_one_leader_and_a_failed_apply_stops_the_follower(pair) -> Non
 
 def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     from crc32c import crc32c
+    from msgspec.structs import replace
 
     from ninfer_kv.dist import ReplicaDiverged
-    from ninfer_kv.dist.replica import FAILED, VERSION
+    from ninfer_kv.dist.stream import FAILED, VERSION, decode_hello, encode_hello
     from ninfer_kv.errors import ConfigError, StoreClosed
 
     cfg = shard_config(w.config(), 2)
     sent: list[bytes] = []
     store = KVStore.open(cfg)
     Leader(store, sent.append)
-    hello = msgspec.msgpack.decode(sent[0])
-    with pytest.raises(RecordRefused, match="hello of 3 bytes does not decode"):
+    hello = decode_hello(sent[0])
+    with pytest.raises(RecordRefused, match="hello of 3 bytes fails its CRC-32C"):
         Follower.from_hello(cfg, b"\x01\x02\x03")
     with pytest.raises(RecordRefused, match="hello magic/version"):
-        Follower.from_hello(cfg, msgspec.msgpack.encode({**hello, "magic": "XXXX"}))
+        Follower.from_hello(cfg, encode_hello(replace(hello, magic="XXXX")))
     with pytest.raises(ConfigError, match="keeps no journal"):
         Follower.from_hello(shard_config(w.config(journal_dir=str(tmp_path)), 2), sent[0])
     with pytest.raises(RecordRefused, match="the leader announced"):
-        Follower.from_hello(cfg, msgspec.msgpack.encode({**hello, "digest": "0" * 64}))
+        Follower.from_hello(cfg, encode_hello(replace(hello, digest="0" * 64)))
     follower = Follower.from_hello(cfg, sent[0])
     with pytest.raises(ReplicaError, match="no receive function"):
         follower.step()
@@ -259,10 +240,11 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(RecordRefused, match="message does not decode"):
         follower.accept(framed(b"\xc1"))
     with pytest.raises(RecordRefused, match="message magic/version"):
-        follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, 0, b"", "", []])))
+        follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, 1, 0, b"", "", []])))
     assert follower.store.digest() == before
     with pytest.raises(ReplicaDiverged, match=r"follower at seq \d+: the leader failed"):
-        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, FAILED, b"", "", []])))
+        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, 1, FAILED, b"", "",
+                                                       []])))
     follower.close()
     with pytest.raises(StoreClosed, match="closed"):
         follower.store.activate(10, 1)

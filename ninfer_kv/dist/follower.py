@@ -1,0 +1,261 @@
+"""The follower side of the TP record stream (the protocol: ``replica``'s docstring, the
+message format: ``stream``): a ``FollowerStore`` that never commands, fed by a ``Follower``
+that verifies each boundary message whole before applying its records with the same
+``apply`` the store and replay use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ninfer_kv.dist.errors import (
+    NotLeader,
+    PlanMismatch,
+    RecordRefused,
+    ReplicaDiverged,
+    ReplicaError,
+    ReplicaUnsupported,
+    StreamBroken,
+)
+from ninfer_kv.dist.stream import (
+    END,
+    FAILED,
+    decode_hello,
+    decode_message,
+)
+from ninfer_kv.engine.capacity import geometry_mismatch
+from ninfer_kv.engine.config import StoreConfig
+from ninfer_kv.engine.device import DeviceState
+from ninfer_kv.engine.state import decode_state, digest
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.format import FRAME_OVERHEAD, parse_frame
+from ninfer_kv.replay.core import APPLY_ERRORS, apply_event
+
+log = structlog.get_logger(__name__)
+
+UNSUPPORTED = (ev.HostReserve, ev.DeviceRestore)
+"""Events whose effect (a D2H or H2D copy of the rank's shard) a follower does not run yet."""
+
+
+# --- follower ---------------------------------------------------------------------------------
+class FollowerStore(KVStore):
+    """A store that only a ``Follower`` mutates: every command raises ``NotLeader``; views,
+    ``table_rows``, ``digest``, ``checkpoint_info`` and ``check_invariants`` work."""
+
+    def _usable(self, what: str) -> None:
+        if self._closed:
+            raise StoreClosed(f"{what} refused: the store is closed")
+        raise NotLeader(f"{what} refused: this store follows a leader's records and never "
+                        "commands; issue commands on the leader rank")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    seq: int        # last record applied
+    records: int    # records in this message
+    note: bytes     # what the leader attached (scheduler output)
+    end: bool       # the leader closed the stream
+
+
+class Follower:
+    """Applies a leader's records to a ``FollowerStore`` of the same (sharded) config."""
+
+    def __init__(self, store: FollowerStore, salt: int, chain: int,
+                 recv: Callable[[], bytes] | None = None) -> None:
+        self.store = store
+        self.salt = salt
+        self.last_crc = chain
+        self._recv = recv
+        self.expect = 1                 # the next boundary message's number
+        self.refused: str | None = None  # why the last message was refused
+        self.failed: str | None = None
+        self.ended = False
+        self.stats = {"messages": 0, "records": 0, "bytes": 0, "cow_copies": 0}
+
+    @classmethod
+    def join(cls, config: StoreConfig, recv: Callable[[], bytes]) -> Follower:
+        """Receive the leader's hello with ``recv`` and open the follower store."""
+        return cls.from_hello(config, recv(), recv)
+
+    @classmethod
+    def from_hello(cls, config: StoreConfig, hello: bytes,
+                   recv: Callable[[], bytes] | None = None) -> Follower:
+        h = decode_hello(hello)
+        if config.journal_path is not None or config.persist_dir is not None:
+            raise ConfigError("a follower keeps no journal in this version (standby is not "
+                              "implemented): open it with journal_dir=None, persist_dir=None")
+        plan = config.plan()
+        differ = geometry_mismatch(h.plan, plan.to_dict())
+        if differ or not h.plan:
+            raise PlanMismatch("the leader's capacity plan differs from this follower's "
+                               "(every TP rank opens the same shard_config; §3.3): "
+                               + ("; ".join(differ) if differ else "leader has no plan"))
+        try:
+            state = decode_state(h.state)
+        except Exception as exc:  # noqa: BLE001 - any undecodable state is refused
+            raise RecordRefused(f"hello state does not decode: {exc}") from None
+        if digest(state) != h.digest or state.seq != h.seq:
+            raise RecordRefused(f"hello state at seq {state.seq} has digest {digest(state)}, "
+                                f"the leader announced {h.digest} at seq {h.seq}")
+        device = DeviceState({k.value: g for k, g in plan.layout.pools.items()}, plan.C,
+                             plan.L, config.device, config.allocate_planes)
+        store = FollowerStore(config, plan, state, None, (), device)
+        log.info("replica.joined", seq=state.seq, pools=list(state.pools))
+        return cls(store, h.salt, h.chain, recv)
+
+    # --- the stream -------------------------------------------------------------------------
+    def step(self) -> Step:
+        """Receive one message (one leader boundary) and apply it. A failed receive (the
+        leader died, the link dropped) stops the follower: ``StreamBroken``."""
+        if self._recv is None:
+            raise ReplicaError("this follower has no receive function; call accept(message)")
+        self._check_usable()
+        try:
+            message = self._recv()
+        except Exception as exc:
+            self.failed = f"the stream broke at seq {self.store.state.seq}: " \
+                          f"{type(exc).__name__}: {exc}"
+            log.error("replica.failed", reason=self.failed)
+            raise StreamBroken(f"follower stopped: {self.failed}") from exc
+        return self.accept(message)
+
+    def accept(self, message: bytes) -> Step:
+        """Apply one boundary message, or refuse it whole (``RecordRefused``: the state and
+        the expected message number are as they were)."""
+        self._check_usable()
+        try:
+            m = decode_message(message)
+            if m.flags & FAILED:
+                self.failed = "the leader failed (fail-stop) and stopped streaming"
+                raise ReplicaDiverged(f"follower at seq {self.store.state.seq}: {self.failed}")
+            if m.n != self.expect:
+                raise RecordRefused(
+                    f"message {m.n} out of order: expected message {self.expect} (a lost, "
+                    "repeated or reordered boundary; nothing applied)"
+                    + (f"; the last refusal: {self.refused}" if self.refused else ""))
+            seq = self.apply_records(m.frames, m.digest or None)
+        except RecordRefused as exc:
+            self.refused = str(exc)
+            raise
+        self.expect += 1
+        self.refused = None
+        self.ended = bool(m.flags & END)
+        self.stats["messages"] += 1
+        self.stats["bytes"] += len(message)
+        return Step(seq, len(m.frames), m.note, self.ended)
+
+    def _check_usable(self) -> None:
+        if self.store.closed:
+            raise StoreClosed("this follower is closed")
+        if self.failed is not None:
+            raise ReplicaDiverged(f"follower stopped earlier ({self.failed}); rebuild it")
+        if self.ended:
+            raise ReplicaError("the leader ended this stream")
+
+    def apply_records(self, frames: Sequence[bytes], leader_digest: str | None = None) -> int:
+        """Verify every frame (CRC, salt, seq = last + 1, prev_crc chain), decode every
+        payload, and only then apply them in order with their device effects. A refusal
+        leaves the state (and its digest) as it was."""
+        self._check_usable()
+        st = self.store.state
+        seq, crc = st.seq, self.last_crc
+        decoded: list[tuple[int, int, list[Any]]] = []
+        for i, f in enumerate(frames):
+            fr = parse_frame(f, 0)
+            if isinstance(fr, str) or fr.end != len(f):
+                why = fr if isinstance(fr, str) else f"{len(f) - fr.end} trailing bytes"
+                raise RecordRefused(f"frame {i} of the message (expected record {seq + 1}): "
+                                    f"{why}; nothing applied")
+            if fr.salt != self.salt:
+                raise RecordRefused(f"record {fr.seq}: salt {fr.salt:#x} is not this stream's "
+                                    f"{self.salt:#x} (another leader); nothing applied")
+            if fr.seq != seq + 1 or fr.prev_crc != crc:
+                raise RecordRefused(f"record {fr.seq} out of order: expected seq {seq + 1} "
+                                    f"with prev_crc {crc:#010x}, got prev_crc {fr.prev_crc:#010x}"
+                                    " (records apply in journal order, no gap; nothing applied)")
+            try:
+                events = CODEC.decode(memoryview(f)[fr.payload_slice])
+            except Exception as exc:  # noqa: BLE001 - any undecodable payload is refused
+                raise RecordRefused(f"record {fr.seq}: payload does not decode: {exc}") from None
+            bad = [type(e).__name__ for e in events if isinstance(e, UNSUPPORTED)]
+            if bad:
+                raise ReplicaUnsupported(f"record {fr.seq} holds {bad}: a follower does not "
+                                         "run host-tier copies (§5.3) in this version; keep "
+                                         "offload/restore off on TP stores")
+            decoded.append((fr.seq, fr.crc, events))
+            seq, crc = fr.seq, fr.crc
+        for rseq, rcrc, events in decoded:
+            self._apply(rseq, events)
+            self.last_crc = rcrc
+            self.stats["records"] += 1
+        if leader_digest is not None and digest(st) != leader_digest:
+            self.failed = f"digest {digest(st)} != leader's {leader_digest} at seq {st.seq}"
+            raise ReplicaDiverged(f"follower diverged: {self.failed}")
+        return st.seq
+
+    def _apply(self, seq: int, events: list[Any]) -> None:
+        store, st = self.store, self.store.state
+        try:
+            for i, e in enumerate(events):
+                apply_event(st, e, seq, i)
+            st.seq = seq
+            for e in events:  # the device effects, in emission order (core._publish_record)
+                if isinstance(e, ev.CopyTail) and store.device.pools[e.pool].planes:
+                    store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
+                    self.stats["cow_copies"] += 1
+            sync_tables(store)
+        except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
+            self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
+            log.error("replica.failed", reason=self.failed)
+            raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc
+        store.stats["records"] += 1
+        store.stats["events"] += len(events)
+
+    def run(self, on_step: Callable[[Step], None] | None = None) -> int:
+        """Follow until the leader ends the stream; returns the last seq."""
+        while not self.ended:
+            s = self.step()
+            if on_step is not None:
+                on_step(s)
+        return self.store.state.seq
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def sync_tables(store: KVStore) -> int:
+    """Publish every active row's membership (§7.2, §13): write each row from its first entry
+    that differs and unmap what an earlier write mapped after it — the slice the leader wrote
+    for its touched rows, so both tables are equal entry for entry. Returns rows written."""
+    written = 0
+    for name, pool in store.state.pools.items():
+        pd = store.device.pools[name]
+        pages = pool.pages
+        for sp in pool.spaces.values():
+            if not sp.active:
+                continue
+            n = sp.nmem
+            want = np.fromiter((pages[s].device for s in sp.members),  # type: ignore[union-attr]
+                               np.int32, n)
+            diff = np.flatnonzero(pd.host_tables[sp.row, :n] != want)
+            start = int(diff[0]) if diff.size else n
+            if start == n and int(pd.published[sp.row]) == n:
+                continue
+            store.device.write_table(name, sp.row, start, want[start:])
+            written += 1
+    return written
+
+
+def frame_bytes(frames: Sequence[bytes]) -> int:
+    """Payload bytes of framed records (without the 32-byte frames)."""
+    return sum(len(f) - FRAME_OVERHEAD for f in frames)
+
+
+__all__ = ["Follower", "FollowerStore", "Step", "sync_tables"]
