@@ -136,3 +136,10 @@ class InjectedFault(KVStoreError):
 class UnsupportedOperation(KVStoreError, NotImplementedError):
     """A request outside what a component supports (e.g. beam-search row reordering in the
     transformers cache); the message says what to use instead."""
+
+
+APPLY_ERRORS: tuple[type[Exception], ...] = (KeyError, IndexError, ValueError, TypeError,
+                                             AssertionError, AttributeError)
+"""What ``apply`` raises on an event that does not fit the state (a damaged or foreign
+journal: the commands validate before they emit). Replay, recovery and a TP follower turn it
+into their typed refusal (``UnappliableRecord``, ``JournalCorrupt``, ``ReplicaDiverged``)."""

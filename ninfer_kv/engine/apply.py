@@ -13,16 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
-from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, collect, members_of, new_page, new_pages, unref
+from ninfer_kv.engine.page_life import I64, members_of, new_page, new_pages, unref
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import unpack, unpack_i64, unpack_u32
+from ninfer_kv.journal.events import unpack
 
 
 def apply(st: StoreState, event: Any) -> None:
@@ -46,7 +46,12 @@ def _configure(st: StoreState, e: ev.Configure) -> None:
 
 def _activate(st: StoreState, e: ev.Activate) -> None:
     pool = st.pools[e.pool]
-    assert e.bundle not in pool.spaces
+    assert 0 <= e.bundle <= st.next_bundle, \
+        f"Activate of seq {e.bundle}: ids are handed out in order (the next is {st.next_bundle})"
+    assert e.bundle not in pool.spaces, f"Activate of seq {e.bundle}: it has a space in {e.pool}"
+    assert e.row in pool.free_rows and 0 <= e.held <= e.entitlement <= pool.logical_pages, \
+        f"Activate of seq {e.bundle}: row {e.row} not free, or held {e.held} / entitlement " \
+        f"{e.entitlement} outside [0, L={pool.logical_pages}]"
     sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
     pool.reserved += e.entitlement - e.held
@@ -87,14 +92,18 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
     b, f = unpack(e.bundles), unpack(e.frontiers)
     assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
     bad = rk.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
-                          pool.sp_members, pool.pg_committed)
-    assert bad < 0, (f"commit of seq {int(b[bad])} to {int(f[bad])}: no space in {e.pool}, or "
-                     "a frontier outside its membership")
+                          pool.sp_members, pool.pg_committed, pool.sp_active)
+    assert bad < 0, (f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in "
+                     f"{e.pool}, or a frontier below its committed one (§8.1: a commit only "
+                     "advances; Truncate lowers) or past its membership")
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
     spaces = st.pools[e.pool].spaces
-    for b, f in zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True):
+    pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True))
+    assert all(b in spaces and spaces[b].active and f >= 0 for b, f in pairs), \
+        f"ProvisionalFrontiers of {e.pool}: a seq with no active space, or a negative frontier"
+    for b, f in pairs:
         spaces[b].provisional = f
 
 
@@ -102,6 +111,9 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
     f = e.frontier
+    assert sp.active and sp.protected <= f <= sp.committed, \
+        f"Truncate of seq {e.bundle} to {f}: outside [protected {sp.protected}, committed " \
+        f"{sp.committed}] of an active space (§8.2)"
     for b in range(f // P, (sp.committed + P - 1) // P):
         page = pool.pages[sp.member(b)]
         assert page is not None
@@ -116,6 +128,8 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
 def _trim(st: StoreState, e: ev.Trim) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
+    assert e.keep >= 0 and e.keep * P >= sp.committed, \
+        f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
     dropped = sp.trim_members(e.keep)
     unref(st, pool, dropped, e.bundle, sp.active)
     if sp.active:
@@ -124,7 +138,10 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
 
 def _grow(st: StoreState, e: ev.Grow) -> None:
     pool = st.pools[e.pool]
-    for b, n in zip(unpack(e.bundles).tolist(), unpack(e.pages).tolist(), strict=True):
+    pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.pages).tolist(), strict=True))
+    assert all(b in pool.spaces and pool.spaces[b].active and n >= 0 for b, n in pairs), \
+        f"Grow of {e.pool}: a seq with no active space, or negative pages"
+    for b, n in pairs:
         pool.spaces[b].entitlement += n
         pool.reserved += n
 
@@ -164,6 +181,7 @@ def _drop_space(st: StoreState, pool: PoolState, bundle: int) -> None:
 
 def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
+    assert not pool.spaces[e.bundle].active, f"Release of seq {e.bundle}: it is active (Finish)"
     unref(st, pool, members_of(pool, pool.spaces[e.bundle]), e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
@@ -174,6 +192,9 @@ def _move(st: StoreState, e: ev.Move) -> None:
     protected coverage remains; pages past the frontier are released."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    assert not src.active and 0 <= e.frontier <= src.committed and dst.nmem == 0, \
+        f"Move of {e.src} to {e.dst} at {e.frontier}: not an inactive source's committed " \
+        "prefix into an empty destination"
     keep = (e.frontier + P - 1) // P
     members = members_of(pool, src)
     unref(st, pool, members[keep:], e.src, False)
@@ -244,6 +265,8 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
                     reason: str, what: str) -> None:
     """Inactive checkpoint ``dst_id`` holds ``shared`` (whole pages) in ``pool``: a new bundle,
     or the one an earlier event of the same command made in another pool."""
+    assert 0 <= dst_id <= st.next_bundle, \
+        f"{what} into {dst_id}: ids are handed out in order (the next is {st.next_bundle})"
     assert dst_id not in pool.spaces, f"{what} into {dst_id}: it has a space in {pool.name}"
     b = st.bundles.get(dst_id)
     assert b is None or (not b.active and b.finish_reason == reason), \
@@ -277,108 +300,6 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     pool.reserved -= 1
 
 
-# --- host tier (§5.3) ----------------------------------------------------------------------------
-def _host_configure(st: StoreState, e: ev.HostConfigure) -> None:
-    st.host = ExtentAllocator(e.capacity)
-    st.host_persistent = e.persistent
-
-
-def _page_bytes(st: StoreState, pool: str) -> int:
-    return next(s.page_bytes for s in st.pool_specs if s.name == pool)
-
-
-def _host_reserve(st: StoreState, e: ev.HostReserve) -> None:
-    pool = st.pools[e.pool]
-    slots = unpack(e.slots).tolist()
-    offsets = unpack_i64(e.offsets).tolist()
-    size = _page_bytes(st, e.pool)
-    for slot, off in zip(slots, offsets, strict=True):
-        st.host.allocate(off, size)  # type: ignore[union-attr]
-        pool.pages[slot].pins += 1  # type: ignore[union-attr]
-    st.host_pending[offsets[0]] = (e.pool, tuple(slots), tuple(offsets))
-
-
-def _host_publish(st: StoreState, e: ev.HostPublish) -> None:
-    pool_name, slots, offsets = st.host_pending.pop(e.offset)
-    pool = st.pools[pool_name]
-    for i, (slot, ep, cov, crc) in enumerate(zip(
-            slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
-            unpack_u32(e.checksums).tolist(), strict=True)):
-        page = pool.pages[slot]
-        assert page is not None
-        if page.host is not None:  # a newer replica replaces the old one
-            st.host.free(page.host[0])  # type: ignore[union-attr]
-        page.host = (offsets[i], ep, cov, crc)
-        page.pins -= 1
-    collect(st, pool, np.asarray(slots, I64))
-
-
-def _host_abort(st: StoreState, e: ev.HostAbort) -> None:
-    pool_name, slots, offsets = st.host_pending.pop(e.offset)
-    pool = st.pools[pool_name]
-    for slot, off in zip(slots, offsets, strict=True):
-        st.host.free(off)  # type: ignore[union-attr]
-        page = pool.pages[slot]
-        assert page is not None
-        page.pins -= 1
-    collect(st, pool, np.asarray(slots, I64))
-
-
-def _host_drop(st: StoreState, e: ev.HostDrop) -> None:
-    pool = st.pools[e.pool]
-    slots = unpack(e.slots)
-    for slot in slots.tolist():
-        page = pool.pages[slot]
-        assert page is not None and page.host is not None
-        st.host.free(page.host[0])  # type: ignore[union-attr]
-        page.host = None
-    collect(st, pool, slots.astype(I64))
-
-
-def _device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
-    pool = st.pools[e.pool]
-    for slot in unpack(e.slots).tolist():
-        page = pool.pages[slot]
-        assert page is not None and page.device != NO_PAGE and page.host is not None
-        pool.free_pages.give([page.device])
-        page.device = NO_PAGE
-
-
-def _device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
-    pool = st.pools[e.pool]
-    for slot, dev in zip(unpack(e.slots).tolist(), unpack(e.pages).tolist(), strict=True):
-        page = pool.pages[slot]
-        assert page is not None and page.device == NO_PAGE
-        pool.free_pages.take([dev])
-        page.device = dev
-
-
-def _pin(st: StoreState, e: ev.Pin) -> None:
-    pool = st.pools[e.pool]
-    for slot in unpack(e.slots).tolist():
-        page = pool.pages[slot]
-        assert page is not None, f"pin of dead slot {e.pool}:{slot}"
-        page.pins += 1
-        key = (e.pool, slot)
-        st.copy_pins[key] = st.copy_pins.get(key, 0) + 1
-
-
-def _unpin(st: StoreState, e: ev.Unpin) -> None:
-    pool = st.pools[e.pool]
-    slots = unpack(e.slots)
-    for slot in slots.tolist():
-        key = (e.pool, slot)
-        n = st.copy_pins[key]
-        if n == 1:
-            del st.copy_pins[key]
-        else:
-            st.copy_pins[key] = n - 1
-        page = pool.pages[slot]
-        assert page is not None
-        page.pins -= 1
-    collect(st, pool, slots.astype(I64))
-
-
 def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:
     st.bundles[e.bundle].meta = bytes(e.meta)
 
@@ -405,14 +326,14 @@ _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {
     ev.Share: _share,
     ev.Prefix: _prefix,
     ev.CopyTail: _copy_tail,
-    ev.HostConfigure: _host_configure,
-    ev.HostReserve: _host_reserve,
-    ev.HostPublish: _host_publish,
-    ev.HostAbort: _host_abort,
-    ev.HostDrop: _host_drop,
-    ev.DeviceDrop: _device_drop,
-    ev.DeviceRestore: _device_restore,
-    ev.Pin: _pin,
-    ev.Unpin: _unpin,
+    ev.HostConfigure: ah.host_configure,
+    ev.HostReserve: ah.host_reserve,
+    ev.HostPublish: ah.host_publish,
+    ev.HostAbort: ah.host_abort,
+    ev.HostDrop: ah.host_drop,
+    ev.DeviceDrop: ah.device_drop,
+    ev.DeviceRestore: ah.device_restore,
+    ev.Pin: ah.pin,
+    ev.Unpin: ah.unpin,
     ev.SetMetadata: _set_metadata,
 }

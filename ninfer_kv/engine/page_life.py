@@ -11,7 +11,7 @@ import numpy as np
 
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
+from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 
@@ -19,14 +19,9 @@ I64 = np.int64
 
 
 def new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
-    """One fresh page in a free (or the next never-used) slot, holding ``device``."""
-    if slot != pool.n_slots:
-        pool.free_slots.take([slot])  # ValueError: neither free nor the next slot
-    pool.ensure_slot(slot)
-    assert not pool.pg_live[slot], f"slot {slot} of {pool.name} is live"
-    if device != NO_PAGE:
-        pool.free_pages.take([device])
-    pool.init_pages([slot], [device], writer, True)
+    """One fresh page in a free (or the next never-used) slot, holding ``device``: ``new_pages``
+    of one (a violation changes nothing and raises ``ValueError``)."""
+    new_pages(pool, np.array([slot], I64), np.array([device], I64), np.array([writer], I64))
     return LogicalKVPage(pool, slot)
 
 

@@ -92,25 +92,34 @@ def check_commit(bundles: np.ndarray, idx: np.ndarray, frontiers: np.ndarray,
 @njit(nogil=True)
 def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
                  sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
-                 pg_committed: np.ndarray) -> int:
+                 pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
     """``apply(CommitFrontiers)``, in event order: pages from the old frontier's block to
     the new one get their committed columns. Returns -1, or the first element naming no
-    space or a frontier outside [0, membership] (a damaged journal; then nothing is
-    applied)."""
+    active space or a frontier outside [its committed frontier, membership] — a commit only
+    advances (a damaged journal; then nothing is applied). A seq listed twice is checked
+    against the frontier its earlier element left."""
     n = bundles.shape[0]
+    old = np.empty(n, np.int64)     # each element's committed frontier before it
     for j in range(n):
         b = bundles[j]
-        if not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0):
+        i = -1
+        bad = not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0)
+        if not bad:
+            i = bundle_index[b]
+            bad = (not sp_active[i] or frontiers[j] > sp_nmem[i] * P
+                   or frontiers[j] < sp_committed[i])
+        if bad:
+            for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
+                sp_committed[bundle_index[bundles[k]]] = old[k]
             return j
-        if not 0 <= frontiers[j] <= sp_nmem[bundle_index[b]] * P:
-            return j
+        old[j] = sp_committed[i]
+        sp_committed[i] = frontiers[j]
     for j in range(n):
         i = bundle_index[bundles[j]]
         f = frontiers[j]
-        for blk in range(sp_committed[i] // P, (f + P - 1) // P):
+        for blk in range(old[j] // P, (f + P - 1) // P):
             cols = f - blk * P
             pg_committed[sp_members[i, blk]] = P if cols > P else cols
-        sp_committed[i] = f
     return -1
 
 
@@ -121,6 +130,7 @@ def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
     block of space ``idx[j]`` (the caller made room: ``PoolState.ensure_members``)."""
     for j in range(idx.shape[0]):
         i = idx[j]
+        assert 0 <= sp_nmem[i] < sp_members.shape[1]  # a damaged length never writes astray
         sp_members[i, sp_nmem[i]] = slots[j]
         sp_nmem[i] += 1
 

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import structlog
 
-from ninfer_kv.errors import JournalCorrupt, JournalError, SchemaVersionError
+from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, JournalError, SchemaVersionError
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
     FRAME_SIZE,
@@ -339,7 +339,7 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
     for f, payload in iter_frames(res, start):
         try:
             apply_record(state, f.seq, payload)
-        except (KeyError, ValueError, TypeError, AssertionError, IndexError) as exc:
+        except APPLY_ERRORS as exc:
             seg = next(s.number for s in res.segments if s.frames and s.frames[-1].seq >= f.seq)
             raise JournalCorrupt(seg, f.offset, f"record {f.seq} is well-formed but cannot be "
                                  f"applied to the state before it: {exc!r}") from None

@@ -12,7 +12,7 @@ from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.incremental import IncrementalChecker
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.state import StoreState, decode_state, digest, to_snapshot
-from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
+from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.recovery import usable_snapshots
 
@@ -41,9 +41,6 @@ class ReplayResult:
         return self.events / self.seconds if self.seconds > 0 else float("inf")
 
 
-APPLY_ERRORS = (KeyError, IndexError, ValueError, TypeError, AssertionError, AttributeError)
-"""What ``apply`` raises on an event that does not fit the state (it never chooses, so it
-trusts its input; the store's commands validate before they emit)."""
 
 
 @contextlib.contextmanager

@@ -77,7 +77,9 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     _step(s)
     for pool in s.pools:
         s.commit(e, pool, 130)
-    s.share_prefix(e)                              # Share (2 whole pages; e runs on)
+    shared = s.share_prefix(e)                     # Share (2 whole pages; e runs on)
+    _step(s)
+    s.release_tail(shared, P)                      # Prefix (1 page) + Release
     _step(s)
     s.offload(s.finish(d, retain=True))
     s._append_pending()

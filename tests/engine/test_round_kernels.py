@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import round_kernels as rk
@@ -132,28 +132,50 @@ def test_check_commit_matches_oracle(args):
 
 
 @settings(max_examples=300, deadline=None)
-@given(commits())
-def test_apply_commit_matches_oracle(args):
+@given(commits(), st.booleans())
+def test_apply_commit_matches_oracle(args, repeat: bool):
+    """Applied in event order; an element below the frontier its space has by then (a commit
+    only advances) or past its membership refuses the whole event, unchanged."""
     bundles, idx, frontiers, committed, nmem, members, *_ = args
+    if repeat and len(bundles) > 1:  # the first space listed twice
+        bundles, idx = np.append(bundles, bundles[0]), np.append(idx, idx[0])
+        frontiers = np.append(frontiers, frontiers[0] - 1)
     bundle_index = np.full(20, -1, I64)
     bundle_index[bundles] = idx
-    assume(((frontiers >= 0) & (frontiers <= nmem * P)).all())  # commit_many checked this
+    active = np.ones(len(committed), np.bool_)
     pg = np.zeros(members.max() + 1, I64)
     want_pg, want_sp = pg.copy(), committed.copy()
-    for j in range(len(bundles)):  # apply._set_committed, in event order
+    want_bad = -1
+    for j in range(len(bundles)):  # the rule, in event order
         i, f = idx[j], int(frontiers[j])
+        if not want_sp[i] <= f <= nmem[i] * P:
+            want_bad = j
+            break
         for blk in range(int(want_sp[i]) // P, -(-f // P)):
             want_pg[members[i, blk]] = min(P, f - blk * P)
         want_sp[i] = f
-    assert rk.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg) == -1
+    if want_bad >= 0:
+        want_pg, want_sp = pg.copy(), committed.copy()
+    got = rk.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active)
+    assert got == want_bad
     assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
+
+
+def test_apply_commit_into_an_inactive_space_applies_nothing() -> None:
+    committed = np.array([5, 5], I64)
+    pg = np.zeros(4, I64)
+    bad = rk.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), np.array([0, 1], I64),
+                          committed, np.array([2, 2], I64), np.array([[0, 1], [2, 3]], np.int32),
+                          pg, np.array([True, False]))
+    assert bad == 1 and committed.tolist() == [5, 5] and pg.tolist() == [0, 0, 0, 0]
 
 
 def test_apply_commit_of_an_unknown_seq_applies_nothing():
     committed = np.array([5], I64)
     pg = np.zeros(2, I64)
     bad = rk.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
-                          committed, np.array([2], I64), np.array([[0, 1]], np.int32), pg)
+                          committed, np.array([2], I64), np.array([[0, 1]], np.int32), pg,
+                          np.ones(1, np.bool_))
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
 
 
@@ -166,5 +188,6 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
     members = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
     pg = np.zeros(4, I64)
     bad = rk.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
-                          np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg)
+                          np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg,
+                          np.ones(2, np.bool_))
     assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]

@@ -1,0 +1,158 @@
+"""``apply``'s host-tier and copy-pin handlers (spec §5.3): host replicas of pages, their
+device drops and restores, and the pins that keep a page alive while a queued copy reads it.
+Each checks the whole event before it changes anything (a damaged journal's event is refused
+unchanged)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ninfer_kv.engine.host_arena import ExtentAllocator
+from ninfer_kv.engine.page_life import I64, collect
+from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.engine.state import StoreState
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import unpack, unpack_i64, unpack_u32
+
+
+def _live(pool: PoolState, slots: list[int], what: str) -> None:
+    n = len(pool.pg_live)
+    bad = [s for s in slots if not (0 <= s < n and pool.pg_live[s])]
+    assert not bad, f"{what} of {pool.name}: slots {bad[:4]} are not live pages"
+
+
+def host_configure(st: StoreState, e: ev.HostConfigure) -> None:
+    st.host = ExtentAllocator(e.capacity)
+    st.host_persistent = e.persistent
+
+
+def _page_bytes(st: StoreState, pool: str) -> int:
+    return next(s.page_bytes for s in st.pool_specs if s.name == pool)
+
+
+def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
+    pool = st.pools[e.pool]
+    slots = unpack(e.slots).tolist()
+    offsets = unpack_i64(e.offsets).tolist()
+    assert st.host is not None and slots and len(slots) == len(offsets), \
+        f"HostReserve of {e.pool}: {len(slots)} slots, {len(offsets)} offsets"
+    assert offsets[0] not in st.host_pending, f"HostReserve at {offsets[0]}: one is pending"
+    _live(pool, slots, "HostReserve")
+    size = _page_bytes(st, e.pool)
+    done: list[int] = []
+    try:
+        for off in offsets:
+            st.host.allocate(off, size)
+            done.append(off)
+    except (KeyError, AssertionError):
+        for off in reversed(done):  # undone whole: carving then freeing restores the extent
+            st.host.free(off)
+        raise
+    for slot in slots:
+        pool.pages[slot].pins += 1  # type: ignore[union-attr]
+    st.host_pending[offsets[0]] = (e.pool, tuple(slots), tuple(offsets))
+
+
+def host_publish(st: StoreState, e: ev.HostPublish) -> None:
+    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    pool = st.pools[pool_name]
+    for i, (slot, ep, cov, crc) in enumerate(zip(
+            slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
+            unpack_u32(e.checksums).tolist(), strict=True)):
+        page = pool.pages[slot]
+        assert page is not None
+        if page.host is not None:  # a newer replica replaces the old one
+            st.host.free(page.host[0])  # type: ignore[union-attr]
+        page.host = (offsets[i], ep, cov, crc)
+        page.pins -= 1
+    collect(st, pool, np.asarray(slots, I64))
+
+
+def host_abort(st: StoreState, e: ev.HostAbort) -> None:
+    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    pool = st.pools[pool_name]
+    for slot, off in zip(slots, offsets, strict=True):
+        st.host.free(off)  # type: ignore[union-attr]
+        page = pool.pages[slot]
+        assert page is not None
+        page.pins -= 1
+    collect(st, pool, np.asarray(slots, I64))
+
+
+def host_drop(st: StoreState, e: ev.HostDrop) -> None:
+    pool = st.pools[e.pool]
+    slots = unpack(e.slots)
+    sl = slots.tolist()
+    _live(pool, sl, "HostDrop")
+    assert len(set(sl)) == len(sl) and all(s in pool.host_of for s in sl), \
+        f"HostDrop of {e.pool}: slots {sl[:4]} repeat or hold no host replica"
+    for slot in sl:
+        page = pool.pages[slot]
+        assert page is not None and page.host is not None
+        st.host.free(page.host[0])  # type: ignore[union-attr]
+        page.host = None
+    collect(st, pool, slots.astype(I64))
+
+
+def device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
+    pool = st.pools[e.pool]
+    sl = unpack(e.slots).tolist()
+    _live(pool, sl, "DeviceDrop")
+    assert len(set(sl)) == len(sl) and all(
+        pool.pg_device[s] != NO_PAGE and s in pool.host_of for s in sl), \
+        f"DeviceDrop of {e.pool}: slots {sl[:4]} repeat, or one is not on both tiers"
+    for slot in sl:
+        page = pool.pages[slot]
+        assert page is not None and page.device != NO_PAGE and page.host is not None
+        pool.free_pages.give([page.device])
+        page.device = NO_PAGE
+
+
+def device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
+    pool = st.pools[e.pool]
+    sl, devs = unpack(e.slots).tolist(), unpack(e.pages).tolist()
+    assert len(sl) == len(devs), f"DeviceRestore of {e.pool}: {len(sl)} slots, {len(devs)} pages"
+    _live(pool, sl, "DeviceRestore")
+    assert len(set(sl)) == len(sl) and all(pool.pg_device[s] == NO_PAGE for s in sl), \
+        f"DeviceRestore of {e.pool}: slots {sl[:4]} repeat, or one is on the device"
+    assert len(set(devs)) == len(devs) and all(d in pool.free_pages for d in devs), \
+        f"DeviceRestore of {e.pool}: page groups {devs[:4]} repeat or are not free"
+    for slot, dev in zip(sl, devs, strict=True):
+        page = pool.pages[slot]
+        assert page is not None and page.device == NO_PAGE
+        pool.free_pages.take([dev])
+        page.device = dev
+
+
+def pin(st: StoreState, e: ev.Pin) -> None:
+    pool = st.pools[e.pool]
+    sl = unpack(e.slots).tolist()
+    _live(pool, sl, "Pin")
+    for slot in sl:
+        page = pool.pages[slot]
+        assert page is not None, f"pin of dead slot {e.pool}:{slot}"
+        page.pins += 1
+        key = (e.pool, slot)
+        st.copy_pins[key] = st.copy_pins.get(key, 0) + 1
+
+
+def unpin(st: StoreState, e: ev.Unpin) -> None:
+    pool = st.pools[e.pool]
+    slots = unpack(e.slots)
+    over = [s for s, k in Counter(slots.tolist()).items()
+            if st.copy_pins.get((e.pool, s), 0) < k]
+    assert not over, f"Unpin of {e.pool}: slots {over[:4]} unpinned more often than pinned"
+    for slot in slots.tolist():
+        key = (e.pool, slot)
+        n = st.copy_pins[key]
+        if n == 1:
+            del st.copy_pins[key]
+        else:
+            st.copy_pins[key] = n - 1
+        page = pool.pages[slot]
+        assert page is not None
+        page.pins -= 1
+    collect(st, pool, slots.astype(I64))

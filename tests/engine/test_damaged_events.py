@@ -1,0 +1,152 @@
+"""``apply`` refuses a damaged event whole: review findings on the compiled apply path. A
+damaged journal (replay, recovery, a TP follower) must get a typed refusal — never a crash
+(numba indexes without bounds checks: a negative Trim.keep ended in SIGSEGV), never an event
+that silently breaks a rule the checkers do not see (a commit moving a frontier backwards),
+and never a refusal after a partial change (the free lists, counters and arrays the digest
+does not cover are compared too)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.state import StoreState, digest
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, UnappliableRecord
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import pack, pack_i64
+from ninfer_kv.replay import replay
+from tests.engine.conftest import small_config
+from tests.engine.test_continuation import checkpoint_at, running, step
+
+
+def fingerprint(st: StoreState) -> str:
+    """The digest and what it does not cover: free lists, counters, the page/space arrays."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(digest(st).encode())
+    for name in sorted(st.pools):
+        p = st.pools[name]
+        for f in (p.free_pages, p.free_slots, p.free_rows):
+            h.update(repr((f.n, f.bits.tobytes())).encode())
+        h.update(repr((p.n_slots, p.reserved, sorted(p.host_of.items()), p.row_owner)).encode())
+        for a in ("pg_gen", "pg_epoch", "pg_committed", "pg_protected", "pg_refs", "pg_active",
+                  "pg_writer", "pg_device", "pg_pins", "pg_live", "sp_members", "sp_nmem",
+                  "sp_committed", "sp_entitlement", "sp_active", "bundle_index"):
+            h.update(getattr(p, a).tobytes())
+    if st.host is not None:
+        h.update(repr((st.host.live_total, dict(st.host.live), dict(st.host.by_off),
+                       st.host_pending, st.copy_pins)).encode())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Any:
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))
+    ck = checkpoint_at(s, 150)                 # inactive, 3 pages
+    gone = checkpoint_at(s, 64)
+    a = running(s, 200)                        # active, 4 pages, committed 200
+    s.release(gone)
+    step(s)
+    yield s, ck, a
+    s.close()
+
+
+def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
+    st, p = s.state, s.state.pools["main"]
+    nxt = st.next_bundle
+    free_slot = next(iter(p.free_slots))
+    free_page = next(iter(p.free_pages))
+    used_page = int(p.pg_device[p.spaces[a].members[0]])
+    a_slots, ck_slots = list(p.spaces[a].members), list(p.spaces[ck].members)
+    host_off = next(iter(st.host.by_off))     # the arena's free extent
+    row_a = p.spaces[a].row
+    return {
+        "Trim below zero pages": [ev.Trim(a, "main", -1)],
+        "Trim to the most negative int32": [ev.Trim(a, "main", -(1 << 31))],
+        "Trim below the committed frontier": [ev.Trim(a, "main", 3)],
+        "commit backwards": [ev.CommitFrontiers("main", pack([a]), pack([130]))],
+        "commit backwards, second element": [
+            ev.CommitFrontiers("main", pack([a, a]), pack([210, 205]))],
+        "commit into an inactive checkpoint": [
+            ev.CommitFrontiers("main", pack([a, ck]), pack([201, 192]))],
+        "Activate on a leased row": [ev.Activate(nxt, "main", 2, row_a)],
+        "Activate with a huge id": [ev.Activate((1 << 31) - 1, "main", 2, 3)],
+        "Activate with a negative id": [ev.Activate(-3, "main", 2, 3)],
+        "Share with a huge id": [ev.Share(a, 1 << 30, "main", 1)],
+        "CopyTail onto a leased page group": [ev.CopyTail(a, "main", free_slot, used_page,
+                                                          a_slots[0], used_page, 10)],
+        "Grow naming an unknown seq second": [ev.Grow("main", pack([a, 77]), pack([1, 1]))],
+        "Grow by negative pages": [ev.Grow("main", pack([a]), pack([-2]))],
+        "Provisional of an unknown seq second": [
+            ev.ProvisionalFrontiers("main", pack([a, 77]), pack([210, 1]))],
+        "Truncate above the committed frontier": [ev.Truncate(a, "main", 230)],
+        "Release of an active seq": [ev.Release(a, "main")],
+        "Move with a negative frontier": [ev.Move(ck, a, "main", -P)],
+        "Pin of a live slot, then a dead one": [ev.Pin("main", pack([a_slots[0], 99]))],
+        "Unpin of a slot pinned once, listed twice": [
+            ev.Pin("main", pack([a_slots[0]])),
+            ev.Unpin("main", pack([a_slots[0], a_slots[0]]))],
+        "HostReserve: a live slot, then a free one": [ev.HostReserve(
+            "main", pack([a_slots[0], free_slot]), pack_i64([host_off, host_off + (1 << 16)]))],
+        "HostReserve: a second offset not free": [ev.HostReserve(
+            "main", pack([ck_slots[0], ck_slots[1]]), pack_i64([host_off, 1 << 40]))],
+        "DeviceRestore of a page on the device": [
+            ev.DeviceRestore("main", pack([ck_slots[0]]), pack([free_page]))],
+        "DeviceDrop without a host replica": [ev.DeviceDrop("main", pack([ck_slots[0]]))],
+        "HostDrop without a host replica": [ev.HostDrop("main", pack([ck_slots[0]]))],
+    }
+
+
+
+
+def test_every_damaged_event_is_refused_unchanged(world: Any) -> None:
+    s, ck, a = world
+    refused: list[str] = []
+    for name, events in cases(s, ck, a).items():
+        st = copy.deepcopy(s.state)
+        for e in events[:-1]:
+            apply(st, e)
+        before = fingerprint(st)
+        with pytest.raises(APPLY_ERRORS):
+            apply(st, events[-1])
+        assert fingerprint(st) == before, f"{name}: refused after a change"
+        refused.append(name)
+    assert len(refused) == len(cases(s, ck, a))
+
+
+@pytest.mark.parametrize("opener", ["replay", "open"])
+def test_a_journal_with_a_negative_trim_is_refused_not_a_crash(
+        tmp_path: Path, opener: str) -> None:
+    """Review repro: numba wrote out of bounds (SIGSEGV in replay --verify and in open)."""
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(10, 10)
+    step(s)
+    assert s.journal is not None
+    s.journal.append([ev.Trim(a, "main", -(1 << 31))], durable=True)
+    s.close()
+    call: Callable[[], object] = (
+        (lambda: replay(str(tmp_path / "journal"), verify_every=1)) if opener == "replay"
+        else (lambda: KVStore.open(s.config)))
+    with pytest.raises(UnappliableRecord if opener == "replay" else JournalCorrupt,
+                       match="Trim of seq"):
+        call()
+
+
+def test_open_refuses_a_record_that_raises_attribute_error(tmp_path: Path) -> None:
+    """Review repro: recovery caught five of apply's six refusal types; a HostReserve of a
+    dead slot reached the caller of open() as a raw AttributeError."""
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))
+    step(s)
+    assert s.journal is not None and s.state.host is not None
+    off = next(iter(s.state.host.by_off))
+    s.journal.append([ev.HostReserve("main", pack([5]), pack_i64([off]))], durable=True)
+    s.close()
+    with pytest.raises(JournalCorrupt, match="cannot be applied"):
+        KVStore.open(s.config)
