@@ -143,10 +143,11 @@ def test_open_refuses_a_record_that_raises_attribute_error(tmp_path: Path) -> No
     """Review repro: recovery caught five of apply's six refusal types; a HostReserve of a
     dead slot reached the caller of open() as a raw AttributeError."""
     s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20))
+    s.release(checkpoint_at(s, 64))            # slot 0 was a page: dead now
     step(s)
     assert s.journal is not None and s.state.host is not None
     off = next(iter(s.state.host.by_off))
-    s.journal.append([ev.HostReserve("main", pack([5]), pack_i64([off]))], durable=True)
+    s.journal.append([ev.HostReserve("main", pack([0]), pack_i64([off]))], durable=True)
     s.close()
     with pytest.raises(JournalCorrupt, match="cannot be applied"):
         KVStore.open(s.config)
