@@ -115,6 +115,7 @@ class NinferSharing(NinferArrays):
         self.shared = 0
         self.holders: dict[int, list[int]] = {}  # block hash -> checkpoints holding it
         self._need = 0  # pages the admission being tried needs at most (0: not admitting)
+        self._keep: int | None = None  # the checkpoint that admission continues: not a victim
 
     def _indexed(self, ck: int, hs: list[int]) -> None:
         """``ck`` holds blocks ``hs``: the newest holder serves lookups; older ones stay
@@ -124,42 +125,62 @@ class NinferSharing(NinferArrays):
             self.holders.setdefault(h, []).append(ck)
             self.index[h] = ck
 
-    def _evict_one(self) -> bool:
-        """Release the least recently used checkpoint that is the only holder of some device
-        page — unless releasing every checkpoint could not make room for the admission being
-        tried (then the cache is kept and the request waits, instead of emptying the cache for
+    def _evict_one(self, short: int = 1) -> bool:
+        """Free about ``short`` device pages (at least one): the least recently used
+        checkpoint that is the only holder of some device page gives up that many pages of
+        its tail (``release_tail``; all of them: it is released) — as vLLM frees a cached
+        request's blocks tail first, so its prompt outlives its generated tail. Nothing is
+        evicted when releasing every checkpoint could not make room for the admission being
+        tried (the cache is kept and the request waits, instead of emptying the cache for
         nothing). A checkpoint whose pages running requests share frees nothing: it stays
         indexed, as vLLM keeps the hashes of blocks in use."""
         if not self.lru:
             return False
+        store = self.store
         if self._need:
-            occ = self.store.occupancy()["main"]
+            occ = store.occupancy()["main"]
             if occ["available"] + occ["checkpoint_only"] < self._need:
                 return False
-        sole = self.store.sole_device_pages
+            short = max(short, self._need - occ["available"])
+        sole = store.sole_device_pages
         for _ in range(len(self.lru)):
             ck = next(iter(self.lru))
-            if sole(ck):
+            n = sole(ck) if ck != self._keep else 0
+            if n:
                 break
             self.lru.move_to_end(ck)  # in use by running requests: as vLLM re-queues a block
         else:                         # when its last user frees it, it counts as used now
             # pages only checkpoints hold, each by two or more: releasing one is a step
-            info = self.store.checkpoint_info
-            ck = next((c for c in self.lru if info(c).pools["main"].idle_device_pages), None)
+            info = store.checkpoint_info
+            ck = next((c for c in self.lru if c != self._keep
+                       and info(c).pools["main"].idle_device_pages), None)
             if ck is None:
                 return False
+            n = 0
+        sp = store.space(ck)
+        keep = min(sp.committed // 64, len(sp.members) - short) if n > short else 0
         hs = self.lru.pop(ck)
-        for h in hs:
+        new = store.release_tail(ck, keep * 64)
+        if new is not None:       # its prefix stays first in line, under a new id
+            self.lru[new] = hs[:keep]
+            self.lru.move_to_end(new, last=False)
+        for i, h in enumerate(hs):
             held = self.holders[h]
-            held.remove(ck)
+            if i < keep:
+                held[held.index(ck)] = new  # same place: not the newest holder now
+            else:
+                held.remove(ck)
             if held:
                 self.index[h] = held[-1]
             else:
                 del self.holders[h]
                 self.index.pop(h, None)
-        self.store.release(ck)
+        self.renamed(ck, new)
         self.evictions += 1
         return True
+
+    def renamed(self, ck: int, new: int | None) -> None:
+        """``ck`` gave up its tail: ``new`` holds its prefix (None: nothing kept)."""
 
     def free(self, request_id: int) -> None:
         super().free(request_id)  # finish(retain=True): indexed by the harness adapter ...
@@ -170,12 +191,17 @@ class NinferSharing(NinferArrays):
 
     def admit(self, request_id: int, prompt_len: int, prompt_tokens: object = None) -> bool:
         hit0 = self.hit_tokens
-        self._need = self.store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT)
+        hs = self._pending_hashes.get(request_id)  # hashed once, as the harness adapter does
+        if hs is None or hs[0] != prompt_len:
+            hs = (prompt_len, self._block_hashes(prompt_tokens, (prompt_len - 1) // 64))
+            self._pending_hashes[request_id] = hs
+        self._keep, k = self._lookup(hs[1])    # the source is no victim of its own admission
+        self._need = self.store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT) - k
         try:
             if not super().admit(request_id, prompt_len, prompt_tokens):
                 return False
         finally:
-            self._need = 0
+            self._need, self._keep = 0, None
         store, seq = self.store, int(self.seq_of[request_id])
         store.close_boundary()     # the prefill unit ran between these two
         store.unit_complete()
@@ -200,17 +226,23 @@ class NinferGrowth(FirstAdmission, NinferSharing):
     the token-exact frontier prompt_len - 1 (a partial-tail COW; vLLM and SGLang resume at a
     whole block) — or, once that checkpoint was evicted, like any other request.
 
-    Defaults (window 64, grow every round, cushion 16: at most two pages ahead, as vLLM
-    allocates a block per step) preempt least. Pool-frac 0.5, one run each (W/E/C: hit%,
-    first-admission hit%, preemptions): 64/1/16 13.3/13.1/12; 64/16/16 23.2/13.1/195;
-    512/64/64 16.2/13.1/96; vLLM 17.3/13.1/61. First-admission reuse is the same for all:
-    the rest of hit% is preempted requests re-admitted onto their own KV. Override with
-    $NINFER_WINDOW, $NINFER_EVERY, $NINFER_CUSHION."""
+    Eviction gives up the least recently used checkpoint's tail first (``release_tail``, as
+    many pages as ``CapacityExhausted.short`` / ``GrowResult.short`` say are missing), so a
+    preempted request's prompt outlives its generated tail until it is re-admitted, as in
+    vLLM's free-block queue; the checkpoint an admission continues is never its victim.
+
+    Defaults (window 1, grow every round, cushion 0: a page when a sequence needs it, as vLLM
+    allocates a block per step). Pool-frac 0.5, one run each (W/C: hit%, first-admission hit%,
+    preemptions, prompt tokens prefilled): 1/0 17.30/13.07/61/2,108,642; 8/0
+    14.7/13.07/30/2,111,434; 64/16 16.0/13.07/67/2,168,581; vLLM 17.29/13.07/61/2,108,841.
+    With whole-checkpoint eviction 64/16 gave 13.3/13.07/12/2,117,418. A window ahead of the
+    step holds pages no cache can use, so more of the preempted requests' KV is evicted
+    before they return. Override with $NINFER_WINDOW, $NINFER_EVERY, $NINFER_CUSHION."""
 
     name = "ninfer-j-grow"
-    WINDOW = int(os.environ.get("NINFER_WINDOW", 64))
+    WINDOW = int(os.environ.get("NINFER_WINDOW", 1))
     EVERY = int(os.environ.get("NINFER_EVERY", 1))  # rounds between grows (< WINDOW)
-    CUSHION = int(os.environ.get("NINFER_CUSHION", 16))
+    CUSHION = int(os.environ.get("NINFER_CUSHION", 0))
 
     def __init__(self, pool_tokens: int, page_size: int, max_len: int) -> None:
         super().__init__(pool_tokens, page_size, max_len)
@@ -224,21 +256,31 @@ class NinferGrowth(FirstAdmission, NinferSharing):
             lease_cushion=self.CUSHION))
         self.rounds = 0
         self.own: dict[int, tuple[int, list[int]]] = {}  # rid -> (its last checkpoint, hashes)
+        self.own_rid: dict[int, int] = {}                 # that checkpoint -> rid
         self.resumed = 0
 
     def free(self, request_id: int) -> None:
         hs = self.hashes[request_id]
         super().free(request_id)
-        self.own[request_id] = (next(reversed(self.lru)), hs)
+        ck = next(reversed(self.lru))
+        self.own[request_id] = (ck, hs)
+        self.own_rid[ck] = request_id
+
+    def renamed(self, ck: int, new: int | None) -> None:
+        rid = self.own_rid.pop(ck, None)
+        if rid is not None and new is not None:  # a preempted request's prompt lives on
+            self.own[rid] = (new, self.own[rid][1])
+            self.own_rid[new] = rid
 
     def admit(self, request_id: int, prompt_len: int, prompt_tokens: object = None) -> bool:
-        ck, hs = self.own.pop(request_id, (None, []))
+        ck, hs = self.own.get(request_id, (None, []))
         if ck is None or ck not in self.lru:
             return super().admit(request_id, prompt_len, prompt_tokens)
         store = self.store
-        f = min(store.space(ck).committed, prompt_len - 1)
         self.lru.move_to_end(ck)
-        self._need = store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT)
+        f = min(store.space(ck).committed, prompt_len - 1)
+        self._need = store.entitlement_pages("main", prompt_len, prompt_len + MAX_OUT) - f // 64
+        self._keep = ck           # not a victim of its own resumption
         try:
             while True:
                 try:
@@ -247,12 +289,13 @@ class NinferGrowth(FirstAdmission, NinferSharing):
                 except CapacityExhausted:
                     if not self._evict_one():
                         self.refused += 1
-                        self.own[request_id] = (ck, hs)
                         return False
-                    if ck not in self.lru:   # evicted at last: recompute like a new request
+                    if ck not in self.lru:   # released at last: recompute like a new request
                         return super().admit(request_id, prompt_len, prompt_tokens)
         finally:
-            self._need = 0
+            self._need, self._keep = 0, None
+        del self.own[request_id]
+        self.own_rid.pop(ck, None)
         store.ensure_mapped(seq, "main", prompt_len)
         store.close_boundary()     # the prefill unit (one token) ran between these two
         store.unit_complete()
@@ -275,7 +318,7 @@ class NinferGrowth(FirstAdmission, NinferSharing):
         ok = [True] * len(request_ids)
         if self.rounds % self.EVERY == 0 or len(request_ids) == 1:  # 1: a retry after preemption
             res = self.store.grow(1)
-            while res.exhausted and self._evict_one():  # cached prefixes go before requests
+            while res.exhausted and self._evict_one(res.short.get("main", 1)):  # cache first
                 res = self.store.grow(1)
             if res.exhausted:
                 seqs = self.seq_of[np.array(request_ids, dtype=np.int64)].tolist()
