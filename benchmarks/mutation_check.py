@@ -99,7 +99,8 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
-                 "integrations/transformers.py", "dist/replica.py", "cache/preemption.py")
+                 "integrations/transformers.py", "dist/replica.py", "dist/follower.py",
+                 "dist/stream.py", "cache/preemption.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -152,7 +153,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     # (module glob, tier 1, tier-2 head); the first matching glob wins
     ("integrations/*.py", ["tests/integrations/test_transformers.py"], []),
     # in-process tests only: a mutant is installed in this process, not in spawned ranks
-    ("dist/replica.py", ["tests/dist/test_replica_refusals.py"], []),
+    *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py"],
+       []) for m in ("replica.py", "follower.py", "stream.py")),
     ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
     ("engine/invariants.py", [*INCREMENTAL, *ENGINE], MACHINE),
     ("engine/incremental*.py", INCREMENTAL, MACHINE),
@@ -162,6 +164,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                            *ENGINE], MACHINE),
     ("engine/continuation.py", ["tests/engine/test_continuation.py",
                                 "tests/engine/test_share_prefix.py",
+                                "tests/engine/test_release_tail.py",
+                                "tests/engine/test_capacity_short.py",
                                 "tests/engine/test_fork_live.py", *ENGINE], MACHINE),
     ("cache/*.py", ["tests/cache/test_*.py"], ["tests/tools/test_simulate_preemption.py"]),
     ("engine/checked.py", ["tests/engine/test_trust_isolation.py",

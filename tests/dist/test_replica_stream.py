@@ -45,6 +45,10 @@ def test_a_leader_attaches_only_to_a_store_with_nothing_queued() -> None:
     store.finish(s)                       # nothing is held, but 4 events are queued
     with pytest.raises(ReplicaError, match="queued events"):
         Leader(store, lambda m: None)
+    closed = KVStore.open(shard_config(w.config(), 2))
+    closed.close()
+    with pytest.raises(ReplicaError, match="open, healthy store"):
+        Leader(closed, lambda m: None)
     with store.boundary():
         pass
     sent: list[bytes] = []
@@ -108,8 +112,13 @@ def test_a_failed_send_stops_the_stream_and_tells_who_it_can(pair) -> None:  # n
     follower.accept(got[0])                           # rank 1 had the boundary ...
     with pytest.raises(ReplicaDiverged, match="the leader failed"):
         follower.accept(got[1])                       # ... and learns the stream stopped
+    seq = store.state.seq
+    store.activate(10, 2)
     with pytest.raises(StreamBroken, match="stopped streaming earlier"), leader.boundary():
         pass
+    assert store.state.seq == seq and store._pending  # refused before the store's boundary
+    with pytest.raises(StreamBroken, match="stopped streaming earlier"):
+        leader.flush(flags=0)
     with store.boundary():                            # the store itself goes on
         pass
 
