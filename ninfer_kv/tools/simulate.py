@@ -201,7 +201,8 @@ def simulate(requests: list[Request], opts: SimOptions,
                             max(1, r.output // opts.scale), r.hash_ids) for r in requests]
     store = store or make_store(opts)
     res = SimResult()
-    cache = LruRetention()
+    cache = LruRetention()  # whole releases: tail-first trims (block_tokens=) measured 0.374
+    # of prompt tokens reused on the full trace, device only, against 0.377
     seen: set[int] = set()
     waiting = iter(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
     queue: list[Request] = []
@@ -359,14 +360,14 @@ def _admit(store: KVStore, req: Request, cache: LruRetention, res: SimResult,
             else:
                 seq = timed(store.activate, req.prompt, req.output + k - 1)
                 hit = 0
-        except CapacityExhausted:
-            action = timed(cache.make_room, store)
+        except CapacityExhausted as exc:
+            action = timed(cache.make_room, store, exc.short)
             if action is None:
                 return None  # wait for running requests to finish
             if action == "demote":
                 res.demotions += 1  # device pages freed, the checkpoint lives on in host
             else:
-                res.evictions += 1
+                res.evictions += 1  # released, or its tail given up
             continue
         res.activation_seconds += time.perf_counter() - t0
         res.activations += 1
@@ -388,10 +389,10 @@ def _grow(store: KVStore, cache: LruRetention, res: SimResult, running: list[_Ru
     short then wait a round. Returns the sequences that do not step this round."""
     g = store.grow(k)
     while g.exhausted:
-        action = cache.make_room(store)
+        action = cache.make_room(store, max(g.short.values(), default=1))
         if action is not None:
             res.demotions += action == "demote"
-            res.evictions += action == "release"
+            res.evictions += action in ("release", "trim")
         elif len(running) > 1:
             victim = running.pop()
             sw = swap_out(store, victim.seq, victim.req.prompt + victim.req.output + k - 1)
@@ -424,12 +425,12 @@ def _resume(store: KVStore, swapped: dict[int, tuple[Swapped, _Running]], rid: i
             else:
                 seq = timed(store.activate, front, sw.budget - front)
             break
-        except CapacityExhausted:
-            action = timed(cache.make_room, store)
+        except CapacityExhausted as exc:
+            action = timed(cache.make_room, store, exc.short)
             if action is None:
                 return None
             res.demotions += action == "demote"
-            res.evictions += action == "release"
+            res.evictions += action in ("release", "trim")
     del swapped[rid]
     if alive:
         res.swap_ins += 1

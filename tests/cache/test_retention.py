@@ -303,3 +303,29 @@ def test_make_host_room_keeps_a_checkpoint_whose_release_frees_no_extent() -> No
         pass
     assert store.metrics().host_used < used and ck not in store.checkpoints()
     store.check_invariants()
+
+
+def test_make_room_with_a_shortfall_gives_up_the_tail_first() -> None:
+    """``make_room(store, short)``: the victim gives up ``short`` pages of its tail, down to a
+    whole key block (64 tokens here), and its prefix stays findable under its new id; its
+    child now continues from that one. Without ``short`` (or ``block_tokens``) it is
+    released whole, as before."""
+    store = _store(host=False)
+    prio: dict[int, int] = {}
+    pol = LruRetention(priority=lambda c: prio.get(c, 0), block_tokens=64)
+    ck = _retained(store, 4 * 64 - 1)                  # 4 pages, key blocks a b c d
+    pol.retain(ck, ("a", "b", "c", "d"))
+    child = _retained(store, 64)
+    pol.retain(child, ("x",), parent=ck)
+    prio[child] = 1                                    # the parent goes first all the same
+    free0 = store.occupancy()["main"]["available"]
+    assert pol.make_room(store, short=1) == "trim"
+    new = pol.renamed[ck]
+    with store.boundary():
+        pass
+    assert store.occupancy()["main"]["available"] == free0 + 1
+    assert ck not in store.checkpoints() and store.space(new).committed == 3 * 64
+    assert pol.lookup(("a", "b", "c", "d")) == (new, 3)   # its partial 4th page went
+    assert pol.entries[child].parent == new and pol.entries[new].children == 1
+    assert pol.make_room(store) == "release"           # no shortfall named: whole
+    store.close()
