@@ -27,9 +27,11 @@ from ninfer_kv.dist.stream import (
     decode_hello,
     decode_message,
 )
+from ninfer_kv.engine import checked
 from ninfer_kv.engine.capacity import geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
+from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.state import decode_state, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
@@ -211,6 +213,8 @@ class Follower:
                     store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
                     self.stats["cow_copies"] += 1
             sync_tables(store)
+            if store._written:
+                _forget_written(store, events)
         except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
             self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
@@ -228,6 +232,22 @@ class Follower:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _forget_written(store: KVStore, events: list[Any]) -> None:
+    """Checked mode: drop the written positions the leader's commands dropped (a commit: the
+    positions below; a finish, a trim, a truncate: those above must be written again), or
+    they pile up forever."""
+    for e in events:
+        if isinstance(e, ev.CommitFrontiers):
+            checked.forget_committed(store, e.pool, ev.unpack(e.bundles).tolist(),
+                                     ev.unpack(e.frontiers).tolist())
+        elif isinstance(e, ev.Finish):
+            checked.forget(store, e.pool, e.bundle)
+        elif isinstance(e, ev.Trim):
+            checked.forget(store, e.pool, e.bundle, e.keep * P)
+        elif isinstance(e, ev.Truncate):
+            checked.forget(store, e.pool, e.bundle, e.frontier)
 
 
 def sync_tables(store: KVStore) -> int:

@@ -94,8 +94,14 @@ def check_commit(store: Txn, pool: str, bundles: list[int], frontiers: list[int]
                     f"checked commit: seq {b} pool {pool} commits [{old}, {f}) but layer "
                     f"{layer} never wrote {len(missing)} of those tokens (first: {missing[0]}); "
                     "append_kv every layer before commit (§8.1)")
+    forget_committed(store, pool, bundles, frontiers)
+
+
+def forget_committed(store: Txn, pool: str, bundles: list[int], frontiers: list[int]) -> None:
+    """Writes below a committed frontier are settled: no later commit asks about them."""
+    written = store._written
     for b, f in zip(bundles, frontiers, strict=True):
-        for layer in range(layers):
+        for layer in range(store.device.pools[pool].geometry.layers):
             have = written.get((pool, b, layer))
             if have:
                 have.difference_update([x for x in have if x < f])

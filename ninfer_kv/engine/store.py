@@ -256,8 +256,9 @@ class KVStore(StoreCore):
                                                           pack([sp.committed])))
                 events.append(ev.Trim(bundle, pool, keep))
             events.append(ev.Finish(bundle, pool, retain, reason))
+        pools = b.pools            # a finish that does not retain empties them
         self._emit(*events)
-        for pool in b.pools:
+        for pool in pools:
             checked.forget(self, pool, bundle)
         return bundle if retain else None
 

@@ -265,3 +265,30 @@ def test_shard_config_refuses_bad_overrides_with_a_typed_error() -> None:
         shard_config(w.config(), 2, model=w.config().model)
     with pytest.raises(InvalidArgument, match="overrides"):
         shard_config(w.config(), 2, no_such_field=1)
+
+
+def test_a_checked_follower_forgets_what_its_leader_forgets() -> None:
+    """Review finding: checked mode records every written position; only the leader's
+    commands pruned them, so a follower's record grew with every token forever."""
+    cfg = shard_config(w.config(checked=True), 2)
+    sent: list[bytes] = []
+    store = KVStore.open(cfg)
+    leader = Leader(store, sent.append)
+    follower = Follower.from_hello(cfg, sent.pop(0))
+    s = one_boundary(store, leader, 100)
+    follower.accept(sent.pop(0))
+    for layer in range(w.LAYERS):                  # what the write guards recorded
+        follower.store._written[("main", s, layer)] = set(range(100))
+        store._written[("main", s, layer)] = set(range(100))
+    store.commit(s, "main", 100)
+    store.truncate(s, "main", 70)
+    with leader.boundary():
+        pass
+    follower.accept(sent.pop(0))
+    assert follower.store._written == store._written     # the commit settled [0, 100)
+    store.finish(s)
+    with leader.boundary():
+        pass
+    follower.accept(sent.pop(0))
+    assert follower.store._written == store._written == {}
+    store.close()
