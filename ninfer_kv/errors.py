@@ -139,7 +139,7 @@ class UnsupportedOperation(KVStoreError, NotImplementedError):
 
 
 APPLY_ERRORS: tuple[type[Exception], ...] = (KeyError, IndexError, ValueError, TypeError,
-                                             AssertionError, AttributeError)
+                                             AssertionError, AttributeError, OverflowError)
 """What ``apply`` raises on an event that does not fit the state (a damaged or foreign
 journal: the commands validate before they emit). Replay, recovery and a TP follower turn it
 into their typed refusal (``UnappliableRecord``, ``JournalCorrupt``, ``ReplicaDiverged``)."""

@@ -68,7 +68,10 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
 
 
 def _publish(st: StoreState, e: ev.PublishActive) -> None:
-    st.bundles[e.bundle].active = True
+    b = st.bundles[e.bundle]
+    assert not b.active and all(st.pools[p].spaces[e.bundle].active for p in b.pools), \
+        f"PublishActive of {e.bundle}: not a sequence being activated"
+    b.active = True
 
 
 def _materialize(st: StoreState, e: ev.Materialize) -> None:
@@ -79,6 +82,7 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
         return
     idx, j = rk.space_index(b, pool.bundle_index)
     assert j < 0, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
+    assert pool.sp_active[idx].all(), f"Materialize of {e.pool}: into an inactive checkpoint"
     new_pages(pool, slots, devs, b)
     pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
@@ -139,8 +143,9 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
 def _grow(st: StoreState, e: ev.Grow) -> None:
     pool = st.pools[e.pool]
     pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.pages).tolist(), strict=True))
-    assert all(b in pool.spaces and pool.spaces[b].active and n >= 0 for b, n in pairs), \
-        f"Grow of {e.pool}: a seq with no active space, or negative pages"
+    assert all(b in pool.spaces and pool.spaces[b].active and n >= 0
+               and pool.spaces[b].entitlement + n <= pool.logical_pages for b, n in pairs), \
+        f"Grow of {e.pool}: a seq with no active space, negative pages, or past L"
     for b, n in pairs:
         pool.spaces[b].entitlement += n
         pool.reserved += n
@@ -221,6 +226,8 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    assert e.src != e.dst and dst.nmem == 0 and e.full_pages * P <= src.committed, \
+        f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
     assert 0 <= e.full_pages <= src.nmem, \
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
     shared = pool.sp_members[src.i, :e.full_pages].astype(I64)
@@ -291,6 +298,7 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
 def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
     assert 0 < e.columns < P, f"CopyTail of {e.dst}: {e.columns} columns (a partial tail)"
+    assert st.pools[e.pool].spaces[e.dst].active, f"CopyTail into {e.dst}: not an active space"
     pool = st.pools[e.pool]
     dst = pool.spaces[e.dst]
     page = new_page(pool, e.slot, e.page, e.dst)

@@ -57,7 +57,10 @@ def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
 
 
 def host_publish(st: StoreState, e: ev.HostPublish) -> None:
-    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    pool_name, slots, offsets = st.host_pending[e.offset]
+    n = {len(unpack(e.epochs)), len(unpack(e.coverage)), len(unpack_u32(e.checksums))}
+    assert n == {len(slots)}, f"HostPublish at {e.offset}: {len(slots)} slots, fields of {n}"
+    del st.host_pending[e.offset]
     pool = st.pools[pool_name]
     for i, (slot, ep, cov, crc) in enumerate(zip(
             slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),

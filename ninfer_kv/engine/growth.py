@@ -73,8 +73,11 @@ def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
         need = np.minimum(np.minimum(budget, committed + step_tokens + cfg.lease_cushion) + lead,
                           pool.logical_pages * P)  # nothing is entitled past L pages
         short = -(-need // P) > ent               # the step and its cushion would not fit
-        if short.any():
-            res.short[name] = int((-(-need[short] // P) - ent[short]).sum())
+        if short.any():  # what a retry needs: earlier sequences take their whole window first
+            left = want - got
+            ahead = np.cumsum(left) - left
+            deficit = -(-need // P) - ent
+            res.short[name] = int((ahead + deficit)[short].max() - (pool.available - got.sum()))
         for b, c in zip(ids[short].tolist(), np.maximum(committed, ent * P - lead)[short].tolist(),
                         strict=True):
             covers[b] = min(covers.get(b, 1 << 62), c)

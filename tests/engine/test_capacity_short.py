@@ -84,3 +84,27 @@ def test_grow_says_how_many_pages_its_exhausted_sequences_lack(tmp_path: Path) -
     res = s.grow(1)
     assert not res.exhausted and not res.short
     s.close()
+
+
+@pytest.mark.parametrize("window", [P, 4 * P])
+def test_grow_short_counts_the_windows_earlier_sequences_take_first(
+        tmp_path: Path, window: int) -> None:
+    """Review repro: with a window wider than the step, a retry hands freed pages to earlier
+    sequences' windows first (first come, first served); ``short`` counts them."""
+    s = KVStore.open(small_config(tmp_path, pages=20, context=1024, lease_growth=True,
+                                  lease_window=window, lease_cushion=0))
+    seqs = [running(s, 2 * P, out=700) for _ in range(2)]
+    cache = checkpoint_at(s, s.occupancy()["main"]["available"] * P, out=0)
+    for a in seqs:
+        s.ensure_mapped(a, "main", s.space(a).entitlement * P)
+    step(s)
+    for a in seqs:
+        s.commit(a, "main", s.space(a).entitlement * P)
+    res = s.grow(1)
+    short = res.short["main"]
+    assert len(res.exhausted) == 2 and short >= 2
+    cache = free_pages(s, cache, short - 1)
+    assert s.grow(1).exhausted                         # one page fewer: still short
+    free_pages(s, cache, 1)
+    assert not s.grow(1).exhausted
+    s.close()

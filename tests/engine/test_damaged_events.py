@@ -67,6 +67,7 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
     a_slots, ck_slots = list(p.spaces[a].members), list(p.spaces[ck].members)
     host_off = next(iter(st.host.by_off))     # the arena's free extent
     row_a = p.spaces[a].row
+    row = p.free_rows.first()
     return {
         "Trim below zero pages": [ev.Trim(a, "main", -1)],
         "Trim to the most negative int32": [ev.Trim(a, "main", -(1 << 31))],
@@ -77,8 +78,10 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "commit into an inactive checkpoint": [
             ev.CommitFrontiers("main", pack([a, ck]), pack([201, 192]))],
         "Activate on a leased row": [ev.Activate(nxt, "main", 2, row_a)],
-        "Activate with a huge id": [ev.Activate((1 << 31) - 1, "main", 2, 3)],
-        "Activate with a negative id": [ev.Activate(-3, "main", 2, 3)],
+        "Activate with a huge id": [ev.Activate((1 << 31) - 1, "main", 2, row)],
+        "Activate with a negative id": [ev.Activate(-3, "main", 2, row)],
+        "Activate of a seq that has a space": [ev.Activate(a, "main", 2, row)],
+        "Activate holding more than its entitlement": [ev.Activate(nxt, "main", 2, row, 0, 0, 3)],
         "Share with a huge id": [ev.Share(a, 1 << 30, "main", 1)],
         "CopyTail onto a leased page group": [ev.CopyTail(a, "main", free_slot, used_page,
                                                           a_slots[0], used_page, 10)],
@@ -101,6 +104,26 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
             ev.DeviceRestore("main", pack([ck_slots[0]]), pack([free_page]))],
         "DeviceDrop without a host replica": [ev.DeviceDrop("main", pack([ck_slots[0]]))],
         "HostDrop without a host replica": [ev.HostDrop("main", pack([ck_slots[0]]))],
+        "HostPublish with a field too short": [
+            ev.HostReserve("main", pack([ck_slots[0], ck_slots[1]]),
+                           pack_i64([host_off, host_off + (1 << 16)])),
+            ev.HostPublish("main", host_off, pack([ck_slots[0], ck_slots[1]]), pack([0, 0]),
+                           pack([P]), ev.pack_u32([1, 2]))],
+        "CopyTail with a page group past int64": [
+            ev.CopyTail(a, "main", free_slot, 1 << 63, a_slots[0], used_page, 10)],
+        "Fork into a destination with pages": [ev.Fork(ck, a, "main", 1, P)],
+        "Materialize with arrays of different lengths": [
+            ev.Materialize("main", pack([a, a]), pack([free_slot]), pack([free_page]))],
+        "Materialize for an unknown seq": [
+            ev.Materialize("main", pack([77]), pack([free_slot]), pack([free_page]))],
+        "CommitFrontiers with arrays of different lengths": [
+            ev.CommitFrontiers("main", pack([a, a]), pack([201]))],
+        "Materialize into a checkpoint": [
+            ev.Materialize("main", pack([ck]), pack([free_slot]), pack([free_page]))],
+        "PublishActive of a checkpoint": [ev.PublishActive(ck)],
+        "Grow past L": [ev.Grow("main", pack([a]), pack([10_000]))],
+        "CopyTail into a checkpoint": [
+            ev.CopyTail(ck, "main", free_slot, free_page, a_slots[0], used_page, 10)],
     }
 
 

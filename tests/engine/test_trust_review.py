@@ -303,7 +303,7 @@ def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
     step(s)
     s.close()
     j = Journal.open(str(tmp_path / "journal"), CODEC)
-    j.append([ev.Grow("main", ev.pack([a]), ev.pack([10_000]))])  # applies; breaks §14
+    j.append([ev.ProvisionalFrontiers("main", ev.pack([a]), ev.pack([10_000]))])  # breaks §14
     j.close()
     with pytest.raises(JournalCorrupt, match="breaks §14"):
         KVStore.open(s.config)
