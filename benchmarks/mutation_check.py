@@ -26,6 +26,8 @@ Mutant kinds (what "disable one rule" means; where: ``TARGETS``):
   ``lambda`` or a comprehension condition) or a whole comprehension condition becomes
   ``True``; an ``if`` that returns a reason string gets the test ``False`` (one mutant per
   operand of an ``or``);
+* ``assert``   -- in ``apply``'s handlers (a damaged journal's event is refused whole), an
+  ``assert`` becomes ``pass``;
 * ``recovery`` -- in a recovery validity function, an ``if``/``elif`` that returns or yields
   a reason, or sets a verdict variable (``bad``, ``reason``, ``durable_later``), gets the
   test ``False``.
@@ -91,7 +93,8 @@ class Target:
 
 
 KIND_OPS: dict[str, tuple[str, ...]] = {"raise": ("raise",), "check": ("check",),
-                                        "filter": ("select", "guard"), "recovery": ("guard",)}
+                                        "filter": ("select", "guard"), "recovery": ("guard",),
+                                        "assert": ("assert",)}
 
 RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "engine/continuation.py", "engine/host.py", "engine/growth.py",
@@ -104,6 +107,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
+    Target("engine/apply*.py", "assert"),   # apply's refusals of a damaged journal's events
     Target("engine/invariants.py", "check"),
     Target("engine/incremental*.py", "check"),
     Target("engine/host_arena.py", "check", ("ExtentAllocator.violations",)),
@@ -173,6 +177,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
                                                    "lock.py", "args.py")),
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
+    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_page_arrays.py",
+                          *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
     ("kernels/*.py", KERNELS, MACHINE),
@@ -331,6 +337,13 @@ def _sites_check(unit: ast.AST, ctx: Ctx) -> Iterator[Site]:
             yield Site(n.value, "[]", f'"{_short(message_head(n.value))}"')
 
 
+def _sites_assert(unit: ast.AST, ctx: Ctx) -> Iterator[Site]:
+    for n in ast.walk(unit):
+        if isinstance(n, ast.Assert):
+            head = message_head(n.msg) if n.msg is not None else ast.unparse(n.test)
+            yield Site(n, "pass", f'"{_short(head)}"')
+
+
 def _conditions(unit: ast.AST) -> Iterator[ast.expr]:
     """Selection conditions: return expressions, lambda bodies, comprehension ifs."""
     for n in ast.walk(unit):
@@ -395,7 +408,8 @@ def _sites_guard(unit: ast.AST, ctx: Ctx) -> Iterator[Site]:
 
 
 OPS: dict[str, Callable[[ast.AST, Ctx], Iterator[Site]]] = {
-    "raise": _sites_raise, "check": _sites_check, "select": _sites_select, "guard": _sites_guard}
+    "raise": _sites_raise, "check": _sites_check, "select": _sites_select, "guard": _sites_guard,
+    "assert": _sites_assert}
 
 
 def units(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
@@ -521,13 +535,13 @@ def install(m: Mutant, prefixes: Sequence[str] = (PACKAGE, "tests")) -> Callable
     undo: list[Callable[[], None]] = [lambda: setattr(owner, name, old)]
     roots = {*prefixes, m.module.split(".")[0]}
     for modname, mod in list(sys.modules.items()):
-        if mod is None or mod is module or modname.split(".")[0] not in roots:
+        if mod is None or modname.split(".")[0] not in roots:
             continue
         for k, v in list(vars(mod).items()):
-            if v is old:
+            if v is old and mod is not module:
                 setattr(mod, k, new)
                 undo.append(lambda mod=mod, k=k: setattr(mod, k, old))
-            elif isinstance(v, dict):  # dispatch tables
+            elif isinstance(v, dict):  # dispatch tables (apply's _HANDLERS: in the module itself)
                 for kk, vv in list(v.items()):
                     if vv is old:
                         v[kk] = new

@@ -56,6 +56,14 @@ def reason(x: int) -> str | None:
     return None
 
 
+def _half(x: int) -> int:
+    assert x % 2 == 0, "odd"
+    return x // 2
+
+
+HANDLERS = {"half": _half}  # a dispatch table in the mutated module itself (apply's)
+
+
 class Base:
     def value(self) -> int:
         return 1
@@ -96,14 +104,15 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, 
 
 
 def _mutants(pkg: str, root: Path) -> dict[str, object]:
-    targets = [mc.Target("core.py", "raise"), mc.Target("core.py", "filter", ("pick", "reason"))]
+    targets = [mc.Target("core.py", "raise"), mc.Target("core.py", "filter", ("pick", "reason")),
+               mc.Target("core.py", "assert")]
     return {m.id: m for m in mc.discover(targets, root=root, package=pkg)}
 
 
 def test_discovery_finds_every_kind_in_the_package() -> None:
     ms = mc.discover()
     ids = {m.id for m in ms}
-    assert {m.kind for m in ms} == {"raise", "check", "filter", "recovery"}
+    assert {m.kind for m in ms} == {"raise", "check", "filter", "recovery", "assert"}
     assert len(ids) == len(ms)
     for want in ("engine/host.py:can_drop_device:filter:pg.pins == 0 -> True",
                  "engine/decode.py:writable:filter:pg.writer == bundle -> True",
@@ -111,6 +120,7 @@ def test_discovery_finds_every_kind_in_the_package() -> None:
         assert want in ids
     assert any(i.startswith("engine/decode.py:commit_many:raise:FrontierError") for i in ids)
     assert any(i.startswith("engine/invariants.py:_pool_violations:check:") for i in ids)
+    assert any(i.startswith("engine/apply.py:_trim:assert:") for i in ids)
     assert mc.tests_for("engine/store.py", 1) and mc.tests_for("journal/log.py", 2)
     assert not set(mc.tests_for("engine/store.py", 1)) & mc.SLOW
 
@@ -120,6 +130,7 @@ def test_toy_discovery(toy: tuple[str, Path]) -> None:
     assert sorted(ms) == [
         'core.py:Thing.make:raise:InvalidArgument "too big"',
         'core.py:Thing.value:raise:InvalidArgument "negative"',
+        'core.py:_half:assert:"odd"',
         'core.py:check:raise:InvalidArgument "x={} must be >= 0"',
         "core.py:pick:filter:x % 2 == 0 -> True",
         "core.py:pick:filter:x > 0 -> True",
@@ -158,6 +169,14 @@ def test_installed_mutants_change_behaviour_and_undo(toy: tuple[str, Path]) -> N
     undo = mc.install(ms["core.py:reason:filter:x > 9 -> False"])
     assert core.reason(10) is None and core.reason(-1) is not None
     undo()
+
+    with pytest.raises(AssertionError):
+        core.HANDLERS["half"](3)
+    undo = mc.install(ms['core.py:_half:assert:"odd"'])
+    assert core.HANDLERS["half"](3) == 1  # the module's own dispatch table is rebound
+    undo()
+    with pytest.raises(AssertionError):
+        core.HANDLERS["half"](3)
 
 
 def test_forked_child_kills_and_spares(toy: tuple[str, Path], tmp_path: Path) -> None:
