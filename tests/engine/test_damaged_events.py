@@ -63,12 +63,30 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
     nxt = st.next_bundle
     free_slot = next(iter(p.free_slots))
     free_page = next(iter(p.free_pages))
+    free_pages = list(p.free_pages)
     used_page = int(p.pg_device[p.spaces[a].members[0]])
     a_slots, ck_slots = list(p.spaces[a].members), list(p.spaces[ck].members)
     host_off = next(iter(st.host.by_off))     # the arena's free extent
     row_a = p.spaces[a].row
     row = p.free_rows.first()
+    s0, s1 = ck_slots[0], ck_slots[1]
+    off2 = host_off + (1 << 16)
+    on_host = [ev.HostReserve("main", pack([s0, s1]), pack_i64([host_off, off2])),
+               ev.HostPublish("main", host_off, pack([s0, s1]), pack([0, 0]), pack([P, P]),
+                              ev.pack_u32([1, 2]))]          # s0, s1 get host replicas
+    host_only = [*on_host, ev.DeviceDrop("main", pack([s0, s1]))]
     return {
+        "Configure twice": [ev.Configure(list(st.pool_specs), dict(st.plan))],
+        "HostReserve with fewer offsets than slots": [
+            ev.HostReserve("main", pack([s0, s1]), pack_i64([host_off]))],
+        "HostDrop of a slot listed twice": [*on_host, ev.HostDrop("main", pack([s0, s0]))],
+        "DeviceDrop of a slot listed twice": [*on_host, ev.DeviceDrop("main", pack([s0, s0]))],
+        "DeviceRestore with fewer page groups than slots": [
+            *host_only, ev.DeviceRestore("main", pack([s0, s1]), pack([free_page]))],
+        "DeviceRestore of a slot listed twice": [
+            *host_only, ev.DeviceRestore("main", pack([s0, s0]), pack(free_pages[:2]))],
+        "DeviceRestore onto one page group twice": [
+            *host_only, ev.DeviceRestore("main", pack([s0, s1]), pack([free_page] * 2))],
         "Trim below zero pages": [ev.Trim(a, "main", -1)],
         "Trim to the most negative int32": [ev.Trim(a, "main", -(1 << 31))],
         "Trim below the committed frontier": [ev.Trim(a, "main", 3)],

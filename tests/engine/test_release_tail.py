@@ -107,3 +107,19 @@ def test_a_damaged_prefix_or_share_is_refused(tmp_path: Path) -> None:
             apply(st, bad)
         assert (st.pools["main"].pg_refs == refs).all()
     s.close()
+
+
+def test_a_prefix_into_another_commands_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A multi-pool checkpoint is built by one event per pool: the second pool's Prefix may
+    only join the Prefix checkpoint the first made, not a Share's (a damaged record)."""
+    s = KVStore.open(small_config(tmp_path, backend=Backend.MTP))
+    ck = checkpoint_at(s, 2 * P)
+    a = running(s, 2 * P)
+    st = copy.deepcopy(s.state)
+    dst = st.next_bundle
+    apply(st, ev.Share(a, dst, "main", 1))
+    refs = {n: p.pg_refs.copy() for n, p in st.pools.items()}
+    with pytest.raises(AssertionError, match="not this prefix checkpoint"):
+        apply(st, ev.Prefix(ck, dst, "mtp", 1))
+    assert all((st.pools[n].pg_refs == r).all() for n, r in refs.items())
+    s.close()
