@@ -34,8 +34,9 @@ class GrowResult:
     exhausted: dict[int, int] = field(default_factory=dict)
     """seq -> token frontier its entitlement covers; end these with reason ``length``."""
     short: dict[str, int] = field(default_factory=dict)
-    """Pages each pool lacks for its exhausted sequences' next step and cushion: what a
-    caller frees there (evicts a cached prefix) before it retries ``grow``."""
+    """Pages each pool lacks for its exhausted sequences' next step and cushion, counting the
+    window pages a retry grants earlier sequences first: free that many there (evict a cached
+    prefix) and a retry of ``grow`` with the same step exhausts none."""
 
 
 def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
