@@ -177,7 +177,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
                                                    "lock.py", "args.py")),
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
-    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_page_arrays.py",
+    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_release_tail.py",
+                          "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
                           *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
@@ -196,6 +197,37 @@ TIER2_K = ""
 """pytest -k for tier 2 ("not MtpMachine and not DflashMachine": the single-pool machine only)."""
 
 EQUIVALENT: dict[str, str] = {
+    # apply: second lines of defence behind a check of the whole event that runs first
+    'engine/apply.py:_truncate:assert:"page is not None"':
+        "the blocks below the committed frontier of an active space are live pages (§14)",
+    'engine/apply.py:_move:assert:"Move of {}: a dead page in its membership"':
+        "a membership holds live pages only (§14); a dead one is a corrupt snapshot",
+    'engine/apply.py:_fork:assert:"Fork of {}: a dead page in its membership"':
+        "a membership holds live pages only (§14); a dead one is a corrupt snapshot",
+    'engine/apply.py:_new_checkpoint:assert:"{}: a dead page in its membership"':
+        "a membership holds live pages only (§14); a dead one is a corrupt snapshot",
+    'engine/apply_host.py:host_publish:assert:"page is not None"':
+        "a pending transfer pins its pages (HostReserve), so they stay live until it ends",
+    'engine/apply_host.py:host_abort:assert:"page is not None"':
+        "a pending transfer pins its pages (HostReserve), so they stay live until it ends",
+    'engine/apply_host.py:host_drop:assert:"page is not None and page.host is not None"':
+        "the whole-event check above refused dead slots, repeats and slots with no replica",
+    'engine/apply_host.py:device_drop:assert:"page is not None and page.device != NO_PAGE and…"':
+        "the whole-event check above refused dead slots, repeats and pages not on both tiers",
+    'engine/apply_host.py:device_restore:assert:"page is not None and page.device == NO_PAGE"':
+        "the whole-event check above refused dead slots, repeats and pages on the device",
+    'engine/apply_host.py:pin:assert:"pin of dead slot {}:{}"':
+        "_live() above refused every dead slot of the event",
+    'engine/apply_host.py:unpin:assert:"page is not None"':
+        "a pinned page stays live (collect skips pinned pages); the count check refused the rest",
+    'engine/apply_host.py:host_reserve:assert:"HostReserve at {}: one is pending"':
+        "the pending transfer's extent is live: the allocator refuses it and the event is undone",
+    'engine/apply.py:_materialize:assert:"Materialize for seq {}, which has no space in {}"':
+        "the inactive-space check after it reads sp_active[-1] for a missing space, inactive "
+        "in every test world; kept: with full space arrays that read would hit a live space",
+    'engine/apply.py:_commit:assert:"CommitFrontiers of {}: {} seqs, {} frontiers"':
+        "without it apply_commit reads past the frontiers array (numba does not bounds-check): "
+        "undefined behaviour no test can observe deterministically",
     # unreachable through the API: the guarded state cannot arise
     'engine/capacity.py:_finish:raise:CapacityError "layout bytes {} != B({}) = {}: the capacity '
     'curve is not af…"':
