@@ -177,11 +177,11 @@ class LruRetention:
         blocks = keep * P // bt
         if blocks == 0:
             return self._release(store, ck)
+        new = store.release_tail(ck, keep * P)  # first: a refusal leaves the policy as it was
+        assert new is not None
         e = self.entries[ck]
         kids = [c for c, x in self.entries.items() if x.parent == ck]
         self.forget(ck)
-        new = store.release_tail(ck, keep * P)
-        assert new is not None
         self.entries[new] = Entry(e.key[:blocks], e.parent, e.used, len(kids), e.demoted)
         for c in kids:        # they continue from its prefix: it still outlives them
             self.entries[c].parent = new
@@ -194,8 +194,8 @@ class LruRetention:
         return "trim"
 
     def _release(self, store: KVStore, ck: int) -> str:
+        store.release(ck)  # first: a refusal (e.g. FrozenUnit) leaves the policy as it was
         self.forget(ck)
-        store.release(ck)
         log.debug("retention.release", checkpoint=ck)
         return "release"
 
@@ -219,8 +219,8 @@ class LruRetention:
             pools = store.checkpoint_info(ck).pools.values()
             if not any(r.sole_host_pages for r in pools):
                 continue      # its extents are other holders' too: releasing frees nothing
-            self.forget(ck)
             store.release(ck)
+            self.forget(ck)
             log.debug("retention.release_host", checkpoint=ck)
             return "release"
         return None

@@ -5,6 +5,7 @@ demotes to the host tier before it releases, and only through the store's public
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from ninfer_kv import KVStore, ModelGeometry, ServingConfig, StoreConfig
@@ -328,4 +329,22 @@ def test_make_room_with_a_shortfall_gives_up_the_tail_first() -> None:
     assert pol.lookup(("a", "b", "c", "d")) == (new, 3)   # its partial 4th page went
     assert pol.entries[child].parent == new and pol.entries[new].children == 1
     assert pol.make_room(store) == "release"           # no shortfall named: whole
+    store.close()
+
+
+def test_a_refused_eviction_leaves_the_policy_as_it_was() -> None:
+    """Inside a GPU unit the store refuses every command (FrozenUnit, §8.4): the victim must
+    stay indexed, or the policy forgets a checkpoint the store still holds."""
+    from ninfer_kv.errors import FrozenUnit
+
+    store = _store(host=False)
+    pol = LruRetention(block_tokens=64)
+    ck = _retained(store, 3 * 64)
+    pol.retain(ck, ("a", "b", "c"))
+    store.close_boundary()
+    for short in (None, 1):
+        with pytest.raises(FrozenUnit):
+            pol.make_room(store, short)
+        assert ck in pol.entries and pol.lookup(("a",)) == (ck, 1)
+    store.unit_complete()
     store.close()
