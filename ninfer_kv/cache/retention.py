@@ -36,6 +36,7 @@ import structlog
 
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,10 @@ class LruRetention:
         self.entries: dict[int, Entry] = {}
         self.by_block: dict[Hashable, set[int]] = {}
         self.priority = priority or (lambda ck: 0)
+        if block_tokens is not None and (not isinstance(block_tokens, int)
+                                         or isinstance(block_tokens, bool) or block_tokens < 1):
+            raise InvalidArgument(f"block_tokens={block_tokens!r} must be a positive int "
+                                  "(tokens per key block) or None")
         self.block_tokens = block_tokens  # tokens per key block; None: no tail-first trims
         self.renamed: dict[int, int] = {}  # a trimmed checkpoint -> the one holding its prefix
         self._tick = 0
@@ -126,7 +131,10 @@ class LruRetention:
         else release the first victim that is the only holder of some device page (a demoted
         one found holding device pages again is demoted again if it can be), else the first
         holding a page that only retained checkpoints hold (it frees when they all go).
-        Returns "demote", "release" or None: releasing would free no device page — running
+        With ``short >= 1`` and ``block_tokens``, a victim whose every page is on the device
+        and that holds more than ``short`` device pages alone gives up only its tail: sharing
+        is always of a prefix (Fork, Share, Prefix), so its sole pages are its last ones.
+        Returns "demote", "release", "trim" or None: releasing would free no device page — running
         sequences or checkpoints this policy does not hold map them — so the checkpoints
         stay and their prefixes stay findable."""
         victims = list(self.victims())
@@ -144,8 +152,10 @@ class LruRetention:
                     e.demoted = False
                     if store.arena is not None and self._demote(store, ck):
                         return "demote"
-                if short is not None and self.block_tokens and sole > short:
-                    return self._trim(store, ck, short)
+                if short is not None and short >= 1 and self.block_tokens and sole > short:
+                    pages, dev, _ = residency(store, ck)
+                    if dev == pages:  # all on the device: its sole pages are its tail
+                        return self._trim(store, ck, short)
                 return self._release(store, ck)
         # pages only retained checkpoints hold, each page by two or more: releasing one of
         # them is a step (not a page another holder, e.g. an engine's own checkpoint, keeps)
@@ -171,10 +181,10 @@ class LruRetention:
         bt = self.block_tokens
         assert bt
         spaces = [store.space(ck, pool) for pool in store.pools]
-        keep = min(min(sp.committed for sp in spaces) // P,
-                   max(len(sp.members) for sp in spaces) - short)
-        keep = max(0, keep) * P // bt * bt // P    # pages of whole key blocks
-        blocks = keep * P // bt
+        cap = min(min(sp.committed for sp in spaces) // P,       # pages it may keep: every
+                  min(len(sp.members) for sp in spaces) - short)  # pool loses >= short pages
+        blocks = max(0, cap) * P // bt                            # whole key blocks in them
+        keep = -(-blocks * bt // P)                               # the pages those blocks span
         if blocks == 0:
             return self._release(store, ck)
         new = store.release_tail(ck, keep * P)  # first: a refusal leaves the policy as it was

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 
 from ninfer_kv import KVStore, ModelGeometry, ServingConfig, StoreConfig
 from ninfer_kv.cache.retention import LruRetention
+from ninfer_kv.errors import InvalidArgument
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -347,4 +348,45 @@ def test_a_refused_eviction_leaves_the_policy_as_it_was() -> None:
             pol.make_room(store, short)
         assert ck in pol.entries and pol.lookup(("a",)) == (ck, 1)
     store.unit_complete()
+    store.close()
+
+
+def test_a_trim_only_cuts_a_device_resident_tail_and_needs_a_shortfall() -> None:
+    """Review repros: with short=0 (rows, not pages, were short) a trim kept every page under
+    a new id, forever; with a host-only tail (the sole device pages at the head) it cut host
+    replicas and freed no device page. Both release whole now. A key block of 100 tokens
+    keeps the pages it spans (it was rounded down to nothing)."""
+    from ninfer_kv.cache.retention import residency
+
+    store = _store(host=True)
+    pol = LruRetention(block_tokens=64)
+    ck = _retained(store, 4 * 64 - 1)
+    pol.retain(ck, ("a", "b", "c", "d"))
+    assert pol.make_room(store, short=0) == "release" and not store.checkpoints()
+    a = _retained(store, 4 * 64 - 1)
+    store.offload(a)
+    with store.boundary():
+        pass
+    s = store.activate_from(a, 128, 128, 1)           # maps pages 0, 1 again
+    with store.boundary():
+        pass
+    store.drop_device(a)                              # pages 2, 3 go to the host only
+    store.finish(s)
+    store.drop_host(a)
+    with store.boundary():
+        pass
+    assert residency(store, a) == (4, 2, 2)
+    pol.retain(a, ("a", "b", "c", "d"))
+    free = store.occupancy()["main"]["available"]
+    assert pol.make_room(store, short=1) == "release"
+    with store.boundary():
+        pass
+    assert store.occupancy()["main"]["available"] == free + 2
+    pol = LruRetention(block_tokens=100)
+    b = _retained(store, 4 * 64 - 1)
+    pol.retain(b, ("x", "y"))
+    assert pol.make_room(store, short=1) == "trim"    # keeps block x: 2 pages (128 tokens)
+    assert store.space(pol.renamed[b]).committed == 2 * 64 and pol.lookup(("x", "y"))[1] == 1
+    with pytest.raises(InvalidArgument, match="block_tokens"):
+        LruRetention(block_tokens=0)
     store.close()
