@@ -143,7 +143,7 @@ class Follower:
                     "repeated or reordered boundary; nothing applied)"
                     + (f"; the last refusal: {self.refused}" if self.refused else ""))
             seq = self.apply_records(m.frames, m.digest or None)
-        except RecordRefused as exc:
+        except ReplicaError as exc:   # named again when the next message is refused
             self.refused = str(exc)
             raise
         self.expect += 1
