@@ -141,14 +141,16 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
 
 
 def _grow(st: StoreState, e: ev.Grow) -> None:
+    """Entitlements grow by ``pages`` (§6.2): one array update for the round's sequences."""
     pool = st.pools[e.pool]
-    pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.pages).tolist(), strict=True))
-    assert all(b in pool.spaces and pool.spaces[b].active and n >= 0
-               and pool.spaces[b].entitlement + n <= pool.logical_pages for b, n in pairs), \
-        f"Grow of {e.pool}: a seq with no active space, negative pages, or past L"
-    for b, n in pairs:
-        pool.spaces[b].entitlement += n
-        pool.reserved += n
+    b, n = unpack(e.bundles), unpack(e.pages).astype(I64)
+    assert len(b) == len(n), f"Grow of {e.pool}: {len(b)} seqs, {len(n)} page counts"
+    idx, j = rk.space_index(b, pool.bundle_index)
+    assert j < 0 and len(np.unique(idx)) == len(idx) and pool.sp_active[idx].all() \
+        and (n >= 0).all() and (pool.sp_entitlement[idx] + n <= pool.logical_pages).all(), \
+        f"Grow of {e.pool}: a seq with no active space or listed twice, negative pages, or past L"
+    pool.sp_entitlement[idx] += n
+    pool.reserved += int(n.sum())
 
 
 def _finish(st: StoreState, e: ev.Finish) -> None:

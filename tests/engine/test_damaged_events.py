@@ -52,6 +52,7 @@ def world(tmp_path: Path) -> Any:
     ck = checkpoint_at(s, 150)                 # inactive, 3 pages
     gone = checkpoint_at(s, 64)
     a = running(s, 200)                        # active, 4 pages, committed 200
+    running(s, 10)                             # a second active sequence
     s.release(gone)
     step(s)
     yield s, ck, a
@@ -105,6 +106,9 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
                                                           a_slots[0], used_page, 10)],
         "Grow naming an unknown seq second": [ev.Grow("main", pack([a, 77]), pack([1, 1]))],
         "Grow by negative pages": [ev.Grow("main", pack([a]), pack([-2]))],
+        "Grow naming a seq twice": [ev.Grow("main", pack([a, a]), pack([1, 1]))],
+        "Grow with fewer page counts than seqs": [
+            ev.Grow("main", pack(sorted(s.active())), pack([1]))],
         "Provisional of an unknown seq second": [
             ev.ProvisionalFrontiers("main", pack([a, 77]), pack([210, 1]))],
         "Truncate above the committed frontier": [ev.Truncate(a, "main", 230)],
@@ -149,7 +153,6 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
 
 def test_every_damaged_event_is_refused_unchanged(world: Any) -> None:
     s, ck, a = world
-    refused: list[str] = []
     for name, events in cases(s, ck, a).items():
         st = copy.deepcopy(s.state)
         for e in events[:-1]:
@@ -158,8 +161,6 @@ def test_every_damaged_event_is_refused_unchanged(world: Any) -> None:
         with pytest.raises(APPLY_ERRORS):
             apply(st, events[-1])
         assert fingerprint(st) == before, f"{name}: refused after a change"
-        refused.append(name)
-    assert len(refused) == len(cases(s, ck, a))
 
 
 @pytest.mark.parametrize("opener", ["replay", "open"])
