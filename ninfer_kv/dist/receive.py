@@ -122,10 +122,27 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
             raise _WireError(str(exc)) from exc
         posted[ci] = (sums, chunk, in_place, works)
 
+    def verify(name: str, ci: int, a: int, ids: list[int], sums: torch.Tensor,
+               chunk: list[torch.Tensor], in_place: bool) -> str | None:
+        """Check chunk ``ci``'s pages against the sender's CRCs; write them from staging.
+        Returns why it is refused, or None."""
+        if on_chunk is not None:
+            on_chunk(name, ci - next(i for i, c in enumerate(plan) if c[0] == name), chunk)
+        want = sums.cpu().tolist()
+        if min(want) < 0:
+            return f"the sender aborted at pool {name} block {a}"
+        for i, (g, w) in enumerate(zip(crcs(chunk), want, strict=True)):
+            if g != w & 0xFFFFFFFF:
+                return (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received bytes "
+                        f"!= sender's {w & 0xFFFFFFFF:#010x}")
+        if not in_place:
+            scatter(store, name, ids, chunk)
+        return None
+
     bad: str | None = None
     moved = 0
-    if plan:
-        post(0)
+    for ci in range(min(2, len(plan))):
+        post(ci)
     for ci, (name, a, ids, pb) in enumerate(plan):
         sums, chunk, in_place, works = posted.pop(ci)
         try:
@@ -133,29 +150,14 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
                 w.wait()
         except RuntimeError as exc:  # the wire: nothing more will arrive
             raise _WireError(str(exc)) from exc
-        if ci + 1 < len(plan):
-            post(ci + 1)
         moved += len(ids) * pb
-        if bad is not None or failed is not None:
-            continue
-        try:
-            idx = ci - next(i for i, c in enumerate(plan) if c[0] == name)
-            if on_chunk is not None:
-                on_chunk(name, idx, chunk)
-            want = sums.cpu().tolist()
-            if min(want) < 0:
-                bad = f"the sender aborted at pool {name} block {a}"
-                continue
-            got = crcs(chunk)
-            for i, (g, w) in enumerate(zip(got, [x & 0xFFFFFFFF for x in want], strict=True)):
-                if g != w:
-                    bad = (f"pool {name} block {a + i}: CRC-32C {g:#010x} of the received "
-                           f"bytes != sender's {w:#010x}")
-                    break
-            if bad is None and not in_place:
-                scatter(store, name, ids, chunk)
-        except Exception as exc:
-            failed = exc
+        if bad is None and failed is None:
+            try:
+                bad = verify(name, ci, a, ids, sums, chunk, in_place)
+            except Exception as exc:
+                failed = exc
+        if ci + 2 < len(plan):  # staging slot ci % 2 is free again: chunk ci is done with it
+            post(ci + 2)
     if failed is not None:
         raise failed
     return moved, len(plan), bad
