@@ -9,8 +9,9 @@ The raw baseline sends the same number of bytes in tensors of the same chunk siz
 
 A third line is the ceiling of any verified transfer on this machine: the same raw chunks
 with a CRC-32C of every MiB computed on both sides (the sender after posting a chunk, the
-receiver, which keeps two receives posted, once it arrived) and nothing else. On a 2-core machine both ends of a
-loopback send already keep the cores busy, so the CRCs alone cost what the ratio misses.
+receiver, which keeps two receives posted, once it arrived) and nothing else. On a 2-core
+machine both ends of a loopback send already keep the cores busy, so the CRCs alone cost what
+the ratio misses.
 """
 
 from __future__ import annotations
