@@ -27,10 +27,11 @@ from ninfer_kv.dist.stream import (
     decode_hello,
     decode_message,
 )
-from ninfer_kv.engine import checked
+from ninfer_kv.engine import checked, host
 from ninfer_kv.engine.capacity import geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
+from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.state import decode_state, digest
 from ninfer_kv.engine.store import KVStore
@@ -42,8 +43,9 @@ from ninfer_kv.replay.core import APPLY_ERRORS, apply_event
 
 log = structlog.get_logger(__name__)
 
-UNSUPPORTED = (ev.HostReserve, ev.DeviceRestore)
-"""Events whose effect (a D2H or H2D copy of the rank's shard) a follower does not run yet."""
+HOST_COPIES = (ev.HostReserve, ev.DeviceRestore, ev.HostPublish)
+"""Events whose effect is a copy between this rank's planes and its host arena."""
+
 
 
 # --- follower ---------------------------------------------------------------------------------
@@ -79,7 +81,14 @@ class Follower:
         self.refused: str | None = None  # why the last message was refused
         self.failed: str | None = None
         self.ended = False
-        self.stats = {"messages": 0, "records": 0, "bytes": 0, "cow_copies": 0}
+        self.stats = {"messages": 0, "records": 0, "bytes": 0, "cow_copies": 0,
+                      "d2h_pages": 0, "h2d_pages": 0}
+        self._copied: list[tuple[host.Transfer, list[int], list[int], list[int]]] = []
+        """D2H copies of this rank's shard run after their HostReserve's record, waiting for
+        the leader's HostPublish: (transfer, epochs, coverages, this shard's CRCs)."""
+        self.host_crcs: dict[tuple[str, int], tuple[int, int]] = {}
+        """(pool, slot) -> (host offset, CRC-32C of *this rank's* packed page). The state
+        holds the leader's CRCs (digests stay equal); these check this rank's arena."""
 
     @classmethod
     def join(cls, config: StoreConfig, recv: Callable[[], bytes]) -> Follower:
@@ -109,6 +118,13 @@ class Follower:
         device = DeviceState({k.value: g for k, g in plan.layout.pools.items()}, plan.C,
                              plan.L, config.device, config.allocate_planes)
         store = FollowerStore(config, plan, state, None, (), device)
+        cap = state.host.capacity if state.host is not None else 0
+        if cap != config.host_bytes:
+            raise PlanMismatch(f"the leader's host arena holds {cap} B, this follower's "
+                               f"host_bytes is {config.host_bytes} (every TP rank opens the "
+                               "same shard_config; its offloads land at the leader's offsets)")
+        if cap:
+            store.arena = HostArenaBuffer(cap)
         log.info("replica.joined", seq=state.seq, pools=list(state.pools))
         return cls(store, h.salt, h.chain, recv)
 
@@ -186,11 +202,10 @@ class Follower:
                 events = CODEC.decode(memoryview(f)[fr.payload_slice])
             except Exception as exc:  # noqa: BLE001 - any undecodable payload is refused
                 raise RecordRefused(f"record {fr.seq}: payload does not decode: {exc}") from None
-            bad = [type(e).__name__ for e in events if isinstance(e, UNSUPPORTED)]
-            if bad:
-                raise ReplicaUnsupported(f"record {fr.seq} holds {bad}: a follower does not "
-                                         "run host-tier copies (§5.3) in this version; keep "
-                                         "offload/restore off on TP stores")
+            if self.store.arena is None and any(isinstance(e, HOST_COPIES) for e in events):
+                raise ReplicaUnsupported(f"record {fr.seq} holds a host-tier copy (§5.3) but "
+                                         "this follower has no host arena: open every TP rank "
+                                         "with the leader's host_bytes")
             decoded.append((fr.seq, fr.crc, events))
             seq, crc = fr.seq, fr.crc
         for rseq, rcrc, events in decoded:
@@ -203,16 +218,31 @@ class Follower:
         return st.seq
 
     def _apply(self, seq: int, events: list[Any]) -> None:
+        """Apply one record, then its effects as the leader's boundary ran them
+        (``core._publish_record``): device copies and restores in emission order, the table
+        rows, then the D2H copies its HostReserves queued — before the next record, whose
+        HostPublish (and DeviceDrops) the leader emitted after those copies."""
         store, st = self.store, self.store.state
         try:
             for i, e in enumerate(events):
+                if isinstance(e, ev.HostPublish):
+                    self._published(e)
                 apply_event(st, e, seq, i)
             st.seq = seq
             for e in events:  # the device effects, in emission order (core._publish_record)
                 if isinstance(e, ev.CopyTail) and store.device.pools[e.pool].planes:
                     store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
                     self.stats["cow_copies"] += 1
+                elif isinstance(e, ev.DeviceRestore):
+                    host.restore_pages(store, [e])
+                    self.stats["h2d_pages"] += len(ev.unpack(e.pages))
             sync_tables(store)
+            reserved = [host.Transfer(e.pool, ev.unpack(e.slots).tolist(),
+                                      ev.unpack_i64(e.offsets).tolist(), set())
+                        for e in events if isinstance(e, ev.HostReserve)]
+            for tr in reserved:  # this rank's shard into its own arena (§5.3)
+                self._copied.append((tr, *host.copy_out(store, tr)))
+                self.stats["d2h_pages"] += len(tr.slots)
             if store._written:
                 _forget_written(store, events)
         except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
@@ -221,6 +251,44 @@ class Follower:
             raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc
         store.stats["records"] += 1
         store.stats["events"] += len(events)
+
+    def _published(self, e: ev.HostPublish) -> None:
+        """The leader published the copy this rank ran after the HostReserve: the same pages
+        at the same offsets, of the same epochs and coverage (else the shards differ in what
+        they hold). Records this rank's CRCs."""
+        slots = ev.unpack(e.slots).tolist()
+        if not self._copied or self._copied[0][0].pool != e.pool \
+                or self._copied[0][0].slots != slots or self._copied[0][0].offsets[0] != e.offset:
+            raise ReplicaError(f"HostPublish of pool {e.pool} pages {slots[:8]} at offset "
+                               f"{e.offset}: this follower ran no such D2H copy (queued: "
+                               f"{[(t.pool, t.slots[:8]) for t, *_ in self._copied]})")
+        tr, epochs, cov, crcs = self._copied.pop(0)
+        if ev.unpack(e.epochs).tolist() != epochs or ev.unpack(e.coverage).tolist() != cov:
+            raise ReplicaError(f"HostPublish of pool {e.pool} pages {slots[:8]}: the leader "
+                               f"copied epochs/coverage {ev.unpack(e.epochs).tolist()[:8]}/"
+                               f"{ev.unpack(e.coverage).tolist()[:8]}, this rank "
+                               f"{epochs[:8]}/{cov[:8]}")
+        for slot, off, crc in zip(tr.slots, tr.offsets, crcs, strict=True):
+            self.host_crcs[(tr.pool, slot)] = (off, crc)
+
+    def verify_host(self) -> list[str]:
+        """Recompute the CRC-32C of every host replica this rank holds (its own shard's
+        packed page) against the CRC it computed at the copy: what ``verify_checkpoint`` is
+        to a leader. Returns the mismatches (empty: all match). Forgets replicas the state
+        no longer has."""
+        st, arena, bad = self.store.state, self.store.arena, []
+        for (pool, slot), (off, crc) in list(self.host_crcs.items()):
+            pg = st.pools[pool].pages[slot]
+            if pg is None or pg.host is None or pg.host[0] != off:
+                del self.host_crcs[(pool, slot)]
+                continue
+            assert arena is not None
+            pb = next(s.page_bytes for s in st.pool_specs if s.name == pool)
+            got = host.page_checksum(arena.data[off:off + pb].numpy())
+            if got != crc:
+                bad.append(f"pool {pool} page {slot} at host offset {off}: CRC-32C {got:#010x}"
+                           f" != {crc:#010x} computed at its copy")
+        return bad
 
     def run(self, on_step: Callable[[Step], None] | None = None) -> int:
         """Follow until the leader ends the stream; returns the last seq."""

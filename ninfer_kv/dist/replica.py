@@ -18,8 +18,15 @@ the leader's by construction; a follower that cannot follow stops loudly (fail-s
     step = follower.step()                            # the same boundary; step.note
     launch(...)                                       # on follower.store's views
 
-Not in this version: the host tier on followers (HostReserve, DeviceRestore are refused with
-``ReplicaUnsupported``) and standby promotion.
+The host tier (§5.3) runs on every rank over its own shard: every rank opens the same
+``host_bytes``, so a HostReserve names the same arena offsets everywhere; after the record that
+holds it, each follower packs its shard's pages into its own arena and checksums them, as the
+leader did before its HostPublish. The state carries the leader's CRCs (digests stay equal);
+each follower keeps its own beside it (``Follower.host_crcs``, ``Follower.verify_host``) and
+checks the leader's published epochs and coverage against what it copied. Restores (H2D) run
+on every rank from its own arena.
+
+Not in this version: standby promotion (a follower keeps no journal).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 import structlog
 from crc32c import crc32c
 
-from ninfer_kv.dist.errors import ReplicaError, ReplicaUnsupported, StreamBroken
+from ninfer_kv.dist.errors import ReplicaError, StreamBroken
 from ninfer_kv.dist.stream import (
     END,
     FAILED,
@@ -97,11 +104,6 @@ class Leader:
             raise ReplicaError("attach a Leader to an open, healthy store")
         if store.record_hook is not None:
             raise ReplicaError("this store already streams its records to another Leader")
-        if store.arena is not None:
-            raise ReplicaUnsupported("a TP leader with a host tier: followers do not run "
-                                     "host-tier copies (§5.3) in this version, so its first "
-                                     "offload would stop every follower; open the TP stores "
-                                     "with host_bytes=0")
         self.store = store
         self._send = send
         self.send_digest = send_digest

@@ -192,45 +192,54 @@ def runs(ids: list[int]) -> int:
     return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
 
 
-def run_transfers(store: Txn, transfers: list[Transfer]) -> list[ev.HostPublish]:
-    """Run queued D2H copies; return the publish events (verified) to journal next. The
-    caller applies them, then asks :func:`drops_after_publish` which replicas to drop."""
+def copy_out(store: Txn, tr: Transfer) -> tuple[list[int], list[int], list[int]]:
+    """Run one queued D2H copy into the arena, coalesced into runs of host-contiguous
+    offsets (one pack per run), zero each page's uncommitted columns and checksum it.
+    Returns (epochs, coverages, CRC-32Cs) per page, as its HostPublish carries them. A TP
+    follower runs the same copy of its own shard (``dist.follower``)."""
     from ninfer_kv.kernels.copy import pack_pages
 
     st = store.state
-    out: list[ev.HostPublish] = []
     arena = store.arena
     assert arena is not None
+    p = st.pools[tr.pool]
+    pb = _page_bytes(st, tr.pool)
+    planes = store.device.planes(tr.pool)
+    order = store.device.pools[tr.pool].geometry.order
+    pages = [p.pages[s] for s in tr.slots]
+    dev_ids = [pg.device for pg in pages]  # type: ignore[union-attr]
+    start = 0
+    for i in range(1, len(tr.offsets) + 1):
+        if i == len(tr.offsets) or tr.offsets[i] != tr.offsets[i - 1] + pb:
+            if planes:
+                pack_pages(planes, order, dev_ids[start:i],
+                           arena.pages(tr.offsets[start], i - start, pb))
+            start = i
+    store.stats["d2h_pages"] += len(dev_ids)
+    store.stats["d2h_runs"] += runs(dev_ids)
+    if planes and planes[0].is_cuda:
+        torch.cuda.current_stream().synchronize()  # the copy must complete before publish
+    epochs, cov, crcs = [], [], []
+    for pg, off in zip(pages, tr.offsets, strict=True):
+        assert pg is not None and pg.pins > 0, "source must stay pinned during the copy"
+        host = arena.data[off:off + pb].numpy()
+        zero_uncommitted(host, planes, order, pg.committed)
+        epochs.append(pg.epoch)
+        cov.append(pg.committed)
+        crcs.append(page_checksum(host))
+    return epochs, cov, crcs
+
+
+def run_transfers(store: Txn, transfers: list[Transfer]) -> list[ev.HostPublish]:
+    """Run queued D2H copies; return the publish events (verified) to journal next. The
+    caller applies them, then asks :func:`drops_after_publish` which replicas to drop."""
+    out: list[ev.HostPublish] = []
+    assert store.arena is not None
     for tr in transfers:
-        p = st.pools[tr.pool]
-        pb = _page_bytes(st, tr.pool)
-        planes = store.device.planes(tr.pool)
-        order = store.device.pools[tr.pool].geometry.order
-        pages = [p.pages[s] for s in tr.slots]
-        dev_ids = [pg.device for pg in pages]  # type: ignore[union-attr]
-        # coalesce host-contiguous offsets into runs: one pack per run
-        start = 0
-        for i in range(1, len(tr.offsets) + 1):
-            if i == len(tr.offsets) or tr.offsets[i] != tr.offsets[i - 1] + pb:
-                if planes:
-                    pack_pages(planes, order, dev_ids[start:i],
-                               arena.pages(tr.offsets[start], i - start, pb))
-                start = i
-        store.stats["d2h_pages"] += len(dev_ids)
-        store.stats["d2h_runs"] += runs(dev_ids)
-        if planes and planes[0].is_cuda:
-            torch.cuda.current_stream().synchronize()  # the copy must complete before publish
-        epochs, cov, crcs = [], [], []
-        for pg, off in zip(pages, tr.offsets, strict=True):
-            assert pg is not None and pg.pins > 0, "source must stay pinned during the copy"
-            host = arena.data[off:off + pb].numpy()
-            zero_uncommitted(host, planes, order, pg.committed)
-            epochs.append(pg.epoch)
-            cov.append(pg.committed)
-            crcs.append(page_checksum(host))
+        epochs, cov, crcs = copy_out(store, tr)
         out.append(ev.HostPublish(tr.pool, tr.offsets[0], pack(tr.slots), pack(epochs),
                                   pack(cov), pack_u32(crcs)))
-    arena.flush()
+    store.arena.flush()
     return out
 
 

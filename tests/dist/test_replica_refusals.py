@@ -127,31 +127,6 @@ def test_records_of_another_stream_or_undecodable_are_refused(pair) -> None:  # 
     second.close()
 
 
-def test_host_tier_records_are_refused_on_a_follower(pair) -> None:  # noqa: ANN001
-    """A leader with a host tier is refused at attach (its first offload would stop every
-    follower); a record holding host-tier events (another leader's) is refused whole."""
-    from ninfer_kv.dist import ReplicaUnsupported
-    from ninfer_kv.journal import events as ev
-    from ninfer_kv.journal.events import CODEC
-    from ninfer_kv.journal.format import pack_record
-
-    host = KVStore.open(shard_config(w.config(host_bytes=1 << 22), 2))
-    with pytest.raises(ReplicaUnsupported, match="host_bytes=0"):
-        Leader(host, lambda m: None)
-    host.close()
-    store, _, follower, sent = pair
-    for m in sent:
-        follower.accept(m)
-    before = follower.store.digest()
-    for e in (ev.HostReserve("main", ev.pack([0]), ev.pack_i64([0])),
-              ev.DeviceRestore("main", ev.pack([0]), ev.pack([0]))):
-        rec, _ = pack_record(follower.store.state.seq + 1, follower.last_crc, follower.salt, 0,
-                             CODEC.encode([e]))
-        with pytest.raises(ReplicaUnsupported, match="host-tier"):
-            follower.apply_records([rec])
-        assert follower.store.digest() == before
-
-
 def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
     from ninfer_kv.dist import ReplicaDiverged
 

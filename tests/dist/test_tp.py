@@ -6,19 +6,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from ninfer_kv import KVStore
 from tests.dist import workers as w
 
 
-def test_tp2_decode_equals_single_store_and_digests_match(tmp_path: Path) -> None:
-    codes = w.launch(w.tp_worker, str(tmp_path))
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host-tier"])
+def test_tp2_decode_equals_single_store_and_digests_match(tmp_path: Path, host: bool) -> None:
+    """``host-tier``: the Fork's checkpoint is first offloaded with its device pages dropped,
+    so every rank copies its own shard out (D2H) and back (H2D) before the partial-tail copy."""
+    codes = w.launch(w.tp_worker, str(tmp_path), host)
     assert codes == [0, 0], codes
     r0, r1 = (json.loads((tmp_path / f"tp{r}.json").read_text()) for r in range(2))
 
-    single = KVStore.open(w.config())
-    ref, _ = w.drive(single)
+    single = KVStore.open(w.config(host_bytes=w.HOST_BYTES if host else 0))
+    ref, _ = w.drive(single, host=host)
     single.close()
 
     # one output per step and layer; each rank holds half the query heads of every output
@@ -40,3 +44,6 @@ def test_tp2_decode_equals_single_store_and_digests_match(tmp_path: Path) -> Non
     assert r0["tables"] == r1["tables"]  # block tables equal entry for entry
     assert r1["records"] >= w.STEPS
     assert r1["cow_copies"] >= 1  # the Fork's partial-tail copy ran on the follower's shard
+    if host:  # its shard went to its own arena and came back, and its replicas check out
+        assert r1["d2h_pages"] >= 1 and r1["h2d_pages"] >= 1, r1
+        assert r1["verify_host"] == []

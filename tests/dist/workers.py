@@ -89,14 +89,19 @@ ARRIVALS = {0: [(70, 6), (40, 3)], 5: [(30, 2)]}
 STEPS = 7
 
 
-def plan_step(store: KVStore, step: int, running: dict[int, int], kept: list[int]
-              ) -> tuple[list[int], list[int], list[int]]:
-    """The leader's scheduler: admit, continue a checkpoint mid-page (Fork + COW), release."""
+def plan_step(store: KVStore, step: int, running: dict[int, int], kept: list[int],
+              host: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """The leader's scheduler: admit, continue a checkpoint mid-page (Fork + COW), release.
+    ``host``: the checkpoint is first offloaded and its device pages dropped (every rank
+    copies its shard to its own arena), so the continuation restores them (H2D) first."""
     fresh = [(store.activate(p, o), p, o) for p, o in ARRIVALS.get(step, [])]
-    if step == 3:  # continue the 40-token request's checkpoint at 36: a partial-tail copy
+    fork = 4 if host else 3
+    if host and step == 3:
+        assert store.offload(kept[0], drop_device=True) > 0
+    if step == fork:  # continue the 40-token request's checkpoint at 36: a partial-tail copy
         ck = kept[0]
         fresh.append((store.activate_from(ck, 36, 60, 2), 60, 2))
-    if step == 4:
+    if step == fork + 1:
         store.release(kept.pop(0))
     seqs, starts, ends = [], [], []
     for s in running:
@@ -114,7 +119,8 @@ def plan_step(store: KVStore, step: int, running: dict[int, int], kept: list[int
 
 
 def drive(store: KVStore, rank: int = 0, tp: int = 1, leader: Leader | None = None,
-          follower: Follower | None = None) -> tuple[list[list[float]], list[str]]:
+          follower: Follower | None = None, host: bool = False
+          ) -> tuple[list[list[float]], list[str]]:
     """Run the script; returns (flattened attention outputs per step and layer, digests at
     every boundary). A follower takes the unit from the leader's note."""
     running: dict[int, int] = {}
@@ -124,7 +130,7 @@ def drive(store: KVStore, rank: int = 0, tp: int = 1, leader: Leader | None = No
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + step)
         if follower is None:
-            seqs, starts, ends = plan_step(store, step, running, kept)
+            seqs, starts, ends = plan_step(store, step, running, kept, host)
             store.ensure_mapped_many("main", seqs, ends)
             note = msgspec.msgpack.encode([seqs, starts, ends])
             ctx = leader.boundary(note) if leader is not None else store.boundary()
@@ -152,24 +158,26 @@ def drive(store: KVStore, rank: int = 0, tp: int = 1, leader: Leader | None = No
     return outs, digests
 
 
-def tp_worker(rank: int, port: int, out: str) -> None:
+HOST_BYTES = 1 << 22
+
+
+def tp_worker(rank: int, port: int, out: str, host: bool = False) -> None:
     init(rank, port)
-    cfg = shard_config(config(), 2)
-    copies = 0
+    cfg = shard_config(config(host_bytes=HOST_BYTES if host else 0), 2)
+    stats: dict[str, Any] = {}
     if rank == 0:
         store = KVStore.open(cfg)
         leader = Leader(store, sender([1]), send_digest=True)
-        outs, digests = drive(store, 0, 2, leader=leader)
+        outs, digests = drive(store, 0, 2, leader=leader, host=host)
     else:
         f = Follower.join(cfg, receiver(0))
         store = f.store
-        outs, digests = drive(store, 1, 2, follower=f)
-        copies = f.stats["cow_copies"]
+        outs, digests = drive(store, 1, 2, follower=f, host=host)
+        stats = {**f.stats, "verify_host": f.verify_host()}
     store.check_invariants()
     tables = store.device.pools["main"].host_tables.tolist()
     dump(Path(out) / f"tp{rank}.json", {"outs": outs, "digests": digests, "tables": tables,
-                                         "records": store.stats["records"],
-                                         "cow_copies": copies})
+                                         "records": store.stats["records"], **stats})
     dist.destroy_process_group()
 
 
