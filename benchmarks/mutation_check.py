@@ -157,7 +157,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     # (module glob, tier 1, tier-2 head); the first matching glob wins
     ("integrations/*.py", ["tests/integrations/test_transformers.py"], []),
     # in-process tests only: a mutant is installed in this process, not in spawned ranks
-    *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py"],
+    *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py",
+                     "tests/dist/test_replica_host.py"],
        []) for m in ("replica.py", "follower.py", "stream.py")),
     ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
     ("engine/invariants.py", [*INCREMENTAL, *ENGINE], MACHINE),
