@@ -2,7 +2,11 @@
 docs/multi-gpu.md on local gloo processes (CPU), with a toy model (seeded random K/V).
 
 * ``--tp N``: rank 0 leads (commands, ``dist.Leader``), ranks 1..N-1 follow its records
-  (``dist.Follower``); every rank holds kv_heads/N heads and appends its K/V each unit.
+  (``dist.Follower``); every rank holds kv_heads/N heads and appends its K/V each unit. Every
+  finished request is retained and offloaded to the host tier with its device pages dropped;
+  once the next boundary dropped them it is continued for ``CONTINUE`` tokens (its pages
+  restored, H2D) and the checkpoint released: every rank copies its own shard out and back
+  (§5.3), and each follower checks its replicas against its own CRCs every step.
 * ``--disagg``: rank 0 prefills each request and exports the checkpoint; rank 1 imports it and
   decodes it (``dist.export`` / ``dist.import_``).
 
@@ -36,6 +40,9 @@ from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels.append import append_kv
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 4, 64
+CONTINUE = 2
+"""Tokens a continuation of an offloaded checkpoint decodes (``--tp``)."""
+HOST_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +92,21 @@ def _kv(store: KVStore, seqs: list[int], starts: list[int], ends: list[int], ste
 
 
 def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int) -> int:
-    """Continuous batching on the leader: admit while rows are free, one token per round."""
+    """Continuous batching on the leader: admit while rows are free, one token per round. A
+    finished request's checkpoint is offloaded (device pages dropped at the next boundary),
+    then continued once the next boundary dropped its device pages: from its host replicas."""
     queue, running, step = list(reqs), {}, 0
-    while queue or running:
+    offloaded: list[tuple[int, int]] = []   # (checkpoint, the round it was offloaded in)
+    continuations: set[int] = set()
+    while queue or running or offloaded:
         seqs, starts, ends = [], [], []
+        while offloaded and offloaded[0][1] + 1 < step and len(running) < store.plan.C:
+            ck = offloaded.pop(0)[0]
+            f = store.checkpoint_info(ck).frontier
+            s = store.activate_from(ck, f, f, CONTINUE)  # host-only pages: restored (H2D)
+            store.release(ck)
+            running[s] = CONTINUE
+            continuations.add(s)
         while queue and len(running) < store.plan.C:
             prompt, out = queue.pop(0)
             s = store.activate(prompt, out)
@@ -110,7 +128,13 @@ def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int) 
             running[s] -= 1
             if not running[s]:
                 del running[s]
-                store.finish(s, retain=False)
+                if s in continuations:
+                    store.finish(s, retain=False)
+                    continue
+                ck = store.finish(s, retain=True)
+                assert ck is not None
+                store.offload(ck, drop_device=True)
+                offloaded.append((ck, step))
         step += 1
     leader.close()
     return step
@@ -123,18 +147,26 @@ def worker(rank: int, port: int, opts: DistSimOptions, out: str) -> None:
     res: dict[str, Any] = {"rank": rank}
     t0 = time.perf_counter()
     if opts.tp > 1:
-        cfg = shard_config(config(), opts.tp)
+        cfg = shard_config(config(), opts.tp, host_bytes=HOST_BYTES)
         if rank == 0:
             store = KVStore.open(cfg)
             leader = Leader(store, sender(range(1, world)), send_digest=True)
             res["boundaries"] = _lead(store, leader, requests(opts), opts.tp)
-            res.update(bytes=leader.stats["bytes"] * (world - 1), records=leader.stats["records"])
+            res.update(bytes=leader.stats["bytes"] * (world - 1), records=leader.stats["records"],
+                       host_bad=[])
         else:
             f = Follower.join(cfg, receiver(0))
             store = f.store
-            f.run(lambda s: _kv(store, *msgspec.msgpack.decode(s.note), rank, opts.tp)
-                  if s.note else None)
-            res.update(bytes=f.stats["bytes"], records=f.stats["records"])
+            bad: list[str] = []
+
+            def on_step(s: Any) -> None:
+                if s.note:
+                    _kv(store, *msgspec.msgpack.decode(s.note), rank, opts.tp)
+                bad.extend(f.verify_host())  # this rank's replicas against its own CRCs
+
+            f.run(on_step)
+            res.update(bytes=f.stats["bytes"], records=f.stats["records"], host_bad=bad)
+        res.update(d2h_pages=store.stats["d2h_pages"], h2d_pages=store.stats["h2d_pages"])
     else:
         store = KVStore.open(config())
         res.update(_disagg(store, rank, opts))
@@ -197,7 +229,10 @@ def run(opts: DistSimOptions) -> dict[str, Any]:
         lead = ranks[0]
         summary.update(boundaries=lead["boundaries"], records=lead["records"],
                        bytes_moved=lead["bytes"], seconds=round(lead["seconds"], 4),
-                       digests_equal=len(set(digests)) == 1)
+                       digests_equal=len(set(digests)) == 1,
+                       d2h_pages=[r["d2h_pages"] for r in ranks],
+                       h2d_pages=[r["h2d_pages"] for r in ranks],
+                       host_replicas_ok=all(not r["host_bad"] for r in ranks))
         secs = lead["seconds"]
     else:
         summary.update(checkpoints=ranks[1]["checkpoints"], pages=ranks[1]["pages"],
@@ -218,7 +253,7 @@ def run_cli(a: Any, console: Any) -> int:
 
     opts = DistSimOptions(tp=a.tp, disagg=a.disagg, requests=a.limit or 8, seed=a.seed)
     d = run(opts)
-    ok = d["invariants_ok"] and d.get("digests_equal", True)
+    ok = d["invariants_ok"] and d.get("digests_equal", True) and d.get("host_replicas_ok", True)
     if a.json:
         emit_json(d)
         return 0 if ok else 1

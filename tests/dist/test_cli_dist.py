@@ -21,6 +21,10 @@ def test_simulate_tp2(capsys: pytest.CaptureFixture[str]) -> None:
     assert d["digests"][0] == d["digests"][1]
     assert d["bytes_moved"] > 0 and d["records"] >= d["boundaries"] > 0
     assert d["invariants_ok"] is True
+    # every finished request went to each rank's own arena and came back for its continuation
+    assert min(d["d2h_pages"]) > 0 and d["d2h_pages"][0] == d["d2h_pages"][1]
+    assert min(d["h2d_pages"]) > 0 and d["h2d_pages"][0] == d["h2d_pages"][1]
+    assert d["host_replicas_ok"] is True
 
 
 def test_simulate_disagg(capsys: pytest.CaptureFixture[str]) -> None:
