@@ -2,6 +2,8 @@
 
 * ``replica``: tensor-parallel replicas — a ``Leader`` ships each boundary's journal records to
   ``Follower`` ranks, whose stores hold their shard of the KV heads and apply the same events.
+* ``standby``: a follower that persists what it applies and acknowledges durable records, so
+  it can be promoted (``Follower.promote``) after the leader dies.
 * ``transfer`` / ``receive``: ``export`` / ``import_`` move an inactive checkpoint (metadata,
   frontiers, page bytes) between stores, published by the receiver only after every page's
   CRC-32C matched (the protocol: ``transfer``'s docstring).

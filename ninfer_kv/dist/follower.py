@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import structlog
 
+from ninfer_kv.dist import standby
 from ninfer_kv.dist.errors import (
     NotLeader,
     PlanMismatch,
@@ -21,24 +21,29 @@ from ninfer_kv.dist.errors import (
     ReplicaUnsupported,
     StreamBroken,
 )
+from ninfer_kv.dist.follower_tables import forget_written, sync_tables
 from ninfer_kv.dist.stream import (
+    ACK,
+    ACK_MAGIC,
     END,
     FAILED,
+    VERSION,
+    Ack,
     decode_hello,
     decode_message,
+    encode_ack,
 )
-from ninfer_kv.engine import checked, host
+from ninfer_kv.engine import host
 from ninfer_kv.engine.capacity import geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
-from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.state import decode_state, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
-from ninfer_kv.journal.format import FRAME_OVERHEAD, parse_frame
+from ninfer_kv.journal.format import parse_frame
 from ninfer_kv.replay.core import APPLY_ERRORS, apply_event
 
 log = structlog.get_logger(__name__)
@@ -72,11 +77,15 @@ class Follower:
     """Applies a leader's records to a ``FollowerStore`` of the same (sharded) config."""
 
     def __init__(self, store: FollowerStore, salt: int, chain: int,
-                 recv: Callable[[], bytes] | None = None) -> None:
+                 recv: Callable[[], bytes] | None = None, seq: int | None = None,
+                 ack: Callable[[bytes], None] | None = None) -> None:
         self.store = store
         self.salt = salt
         self.last_crc = chain
+        self.seq = store.state.seq if seq is None else seq  # the leader's last record applied
         self._recv = recv
+        self._ack = ack               # a standby's: acknowledges ACK-flagged messages
+        self._nacked = False
         self.expect = 1                 # the next boundary message's number
         self.refused: str | None = None  # why the last message was refused
         self.failed: str | None = None
@@ -91,17 +100,22 @@ class Follower:
         holds the leader's CRCs (digests stay equal); these check this rank's arena."""
 
     @classmethod
-    def join(cls, config: StoreConfig, recv: Callable[[], bytes]) -> Follower:
-        """Receive the leader's hello with ``recv`` and open the follower store."""
-        return cls.from_hello(config, recv(), recv)
+    def join(cls, config: StoreConfig, recv: Callable[[], bytes],
+             ack: Callable[[bytes], None] | None = None) -> Follower:
+        """Receive the leader's hello with ``recv`` and open the follower store. A config
+        with ``persist_dir`` opens a standby (``dist.standby``), which acknowledges durable
+        records with ``ack`` (``wire.sender([leader])``; the leader lists it in ``acks``)."""
+        return cls.from_hello(config, recv(), recv, ack)
 
     @classmethod
     def from_hello(cls, config: StoreConfig, hello: bytes,
-                   recv: Callable[[], bytes] | None = None) -> Follower:
+                   recv: Callable[[], bytes] | None = None,
+                   ack: Callable[[bytes], None] | None = None) -> Follower:
         h = decode_hello(hello)
-        if config.journal_path is not None or config.persist_dir is not None:
-            raise ConfigError("a follower keeps no journal in this version (standby is not "
-                              "implemented): open it with journal_dir=None, persist_dir=None")
+        if standby.is_standby(config) != (ack is not None):
+            raise ConfigError("a standby (a config with persist_dir or journal_dir) needs ack=, "
+                              "the function that acknowledges durable records to the leader; "
+                              "a follower without directories takes no ack")
         plan = config.plan()
         differ = geometry_mismatch(h.plan, plan.to_dict())
         if differ or not h.plan:
@@ -115,18 +129,22 @@ class Follower:
         if digest(state) != h.digest or state.seq != h.seq:
             raise RecordRefused(f"hello state at seq {state.seq} has digest {digest(state)}, "
                                 f"the leader announced {h.digest} at seq {h.seq}")
-        device = DeviceState({k.value: g for k, g in plan.layout.pools.items()}, plan.C,
-                             plan.L, config.device, config.allocate_planes)
-        store = FollowerStore(config, plan, state, None, (), device)
         cap = state.host.capacity if state.host is not None else 0
         if cap != config.host_bytes:
             raise PlanMismatch(f"the leader's host arena holds {cap} B, this follower's "
                                f"host_bytes is {config.host_bytes} (every TP rank opens the "
                                "same shard_config; its offloads land at the leader's offsets)")
-        if cap:
-            store.arena = HostArenaBuffer(cap)
-        log.info("replica.joined", seq=state.seq, pools=list(state.pools))
-        return cls(store, h.salt, h.chain, recv)
+        if ack is not None:
+            store = standby.open_standby(FollowerStore, config, h.digest)
+        else:
+            device = DeviceState({k.value: g for k, g in plan.layout.pools.items()}, plan.C,
+                                 plan.L, config.device, config.allocate_planes)
+            store = FollowerStore(config, plan, state, None, (), device)
+            if cap:
+                store.arena = HostArenaBuffer(cap)
+        log.info("replica.joined", seq=state.seq, pools=list(state.pools),
+                 standby=ack is not None)
+        return cls(store, h.salt, h.chain, recv, h.seq, ack)
 
     # --- the stream -------------------------------------------------------------------------
     def step(self) -> Step:
@@ -148,6 +166,7 @@ class Follower:
         """Apply one boundary message, or refuse it whole (``RecordRefused``: the state and
         the expected message number are as they were)."""
         self._check_usable()
+        m = None
         try:
             m = decode_message(message)
             if m.flags & FAILED:
@@ -159,8 +178,16 @@ class Follower:
                     "repeated or reordered boundary; nothing applied)"
                     + (f"; the last refusal: {self.refused}" if self.refused else ""))
             seq = self.apply_records(m.frames, m.digest or None)
-        except ReplicaError as exc:   # named again when the next message is refused
-            self.refused = str(exc)
+            if self._ack is not None and m.flags & ACK:
+                self.store.journal.sync()  # type: ignore[union-attr]
+                self._ack(encode_ack(Ack(ACK_MAGIC, VERSION, m.n, True, "")))
+        except Exception as exc:
+            if isinstance(exc, ReplicaError):  # named again when the next message is refused
+                self.refused = str(exc)
+            leader_stopped = m is not None and m.flags & FAILED
+            if self._ack is not None and not self._nacked and not leader_stopped and (
+                    self.failed is not None or (m is not None and m.flags & ACK)):
+                self._nack(f"{type(exc).__name__}: {exc}")
             raise
         self.expect += 1
         self.refused = None
@@ -168,6 +195,28 @@ class Follower:
         self.stats["messages"] += 1
         self.stats["bytes"] += len(message)
         return Step(seq, len(m.frames), m.note, self.ended)
+
+    def _nack(self, why: str) -> None:
+        """Tell the leader this standby stopped, once (it reads it at its next ACK)."""
+        self._nacked = True
+        try:
+            assert self._ack is not None
+            self._ack(encode_ack(Ack(ACK_MAGIC, VERSION, self.expect, False, why[:500])))
+        except Exception as exc:  # noqa: BLE001 - the leader may be gone: nothing to tell
+            log.warning("replica.nack_failed", error=str(exc))
+
+    def promote(self) -> KVStore:
+        """Close this standby and reopen its directories as a normal ``KVStore`` (after the
+        leader died): every checkpoint it acknowledged durable is kept, with this rank's
+        shard in its host replicas; active sequences are aborted (``dist.standby``)."""
+        if not standby.is_standby(self.store.config):
+            raise ReplicaError("only a standby (a follower opened with persist_dir) keeps "
+                               "what it applied: this follower has nothing to promote")
+        self.failed = self.failed or "promoted"
+        promoted = standby.promote(self.store)
+        log.info("replica.promoted", seq=promoted.state.seq, leader_seq=self.seq,
+                 checkpoints=sum(not b.active for b in promoted.state.bundles.values()))
+        return promoted
 
     def _check_usable(self) -> None:
         if self.store.closed:
@@ -183,7 +232,7 @@ class Follower:
         leaves the state (and its digest) as it was."""
         self._check_usable()
         st = self.store.state
-        seq, crc = st.seq, self.last_crc
+        seq, crc = self.seq, self.last_crc
         decoded: list[tuple[int, int, list[Any]]] = []
         for i, f in enumerate(frames):
             fr = parse_frame(f, 0)
@@ -210,12 +259,12 @@ class Follower:
             seq, crc = fr.seq, fr.crc
         for rseq, rcrc, events in decoded:
             self._apply(rseq, events)
-            self.last_crc = rcrc
+            self.seq, self.last_crc = rseq, rcrc
             self.stats["records"] += 1
         if leader_digest is not None and digest(st) != leader_digest:
-            self.failed = f"digest {digest(st)} != leader's {leader_digest} at seq {st.seq}"
+            self.failed = f"digest {digest(st)} != leader's {leader_digest} at seq {self.seq}"
             raise ReplicaDiverged(f"follower diverged: {self.failed}")
-        return st.seq
+        return self.seq
 
     def _apply(self, seq: int, events: list[Any]) -> None:
         """Apply one record, then its effects as the leader's boundary ran them
@@ -224,11 +273,15 @@ class Follower:
         HostPublish (and DeviceDrops) the leader emitted after those copies."""
         store, st = self.store, self.store.state
         try:
+            kept = events   # what a standby journals: its own CRCs in each HostPublish
             for i, e in enumerate(events):
                 if isinstance(e, ev.HostPublish):
-                    self._published(e)
+                    crcs = self._published(e)
+                    if store.journal is not None:
+                        kept = [standby.own_publish(x, crcs) if x is e else x for x in kept]
                 apply_event(st, e, seq, i)
-            st.seq = seq
+            if store.journal is None:
+                st.seq = seq
             for e in events:  # the device effects, in emission order (core._publish_record)
                 if isinstance(e, ev.CopyTail) and store.device.pools[e.pool].planes:
                     store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
@@ -243,8 +296,12 @@ class Follower:
             for tr in reserved:  # this rank's shard into its own arena (§5.3)
                 self._copied.append((tr, *host.copy_out(store, tr)))
                 self.stats["d2h_pages"] += len(tr.slots)
+            if reserved and store.arena is not None:
+                store.arena.flush()  # a standby's file: durable before its HostPublish is
+            if store.journal is not None:
+                st.seq = standby.persist(store, kept)
             if store._written:
-                _forget_written(store, events)
+                forget_written(store, events)
         except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
             self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
@@ -252,10 +309,10 @@ class Follower:
         store.stats["records"] += 1
         store.stats["events"] += len(events)
 
-    def _published(self, e: ev.HostPublish) -> None:
+    def _published(self, e: ev.HostPublish) -> list[int]:
         """The leader published the copy this rank ran after the HostReserve: the same pages
         at the same offsets, of the same epochs and coverage (else the shards differ in what
-        they hold). Records this rank's CRCs."""
+        they hold). Records and returns this rank's CRCs."""
         slots = ev.unpack(e.slots).tolist()
         if not self._copied or self._copied[0][0].pool != e.pool \
                 or self._copied[0][0].slots != slots or self._copied[0][0].offsets[0] != e.offset:
@@ -270,6 +327,7 @@ class Follower:
                                f"{epochs[:8]}/{cov[:8]}")
         for slot, off, crc in zip(tr.slots, tr.offsets, crcs, strict=True):
             self.host_crcs[(tr.pool, slot)] = (off, crc)
+        return crcs
 
     def verify_host(self) -> list[str]:
         """Recompute the CRC-32C of every host replica this rank holds (its own shard's
@@ -302,48 +360,4 @@ class Follower:
         self.store.close()
 
 
-def _forget_written(store: KVStore, events: list[Any]) -> None:
-    """Checked mode: drop the written positions the leader's commands dropped (a commit: the
-    positions below; a finish, a trim, a truncate: those above must be written again), or
-    they pile up forever."""
-    for e in events:
-        if isinstance(e, ev.CommitFrontiers):
-            checked.forget_committed(store, e.pool, ev.unpack(e.bundles).tolist(),
-                                     ev.unpack(e.frontiers).tolist())
-        elif isinstance(e, ev.Finish):
-            checked.forget(store, e.pool, e.bundle)
-        elif isinstance(e, ev.Trim):
-            checked.forget(store, e.pool, e.bundle, e.keep * P)
-        elif isinstance(e, ev.Truncate):
-            checked.forget(store, e.pool, e.bundle, e.frontier)
-
-
-def sync_tables(store: KVStore) -> int:
-    """Publish every active row's membership (§7.2, §13): write each row from its first entry
-    that differs and unmap what an earlier write mapped after it — the slice the leader wrote
-    for its touched rows, so both tables are equal entry for entry. Returns rows written."""
-    written = 0
-    for name, pool in store.state.pools.items():
-        pd = store.device.pools[name]
-        pages = pool.pages
-        for sp in pool.spaces.values():
-            if not sp.active:
-                continue
-            n = sp.nmem
-            want = np.fromiter((pages[s].device for s in sp.members),  # type: ignore[union-attr]
-                               np.int32, n)
-            diff = np.flatnonzero(pd.host_tables[sp.row, :n] != want)
-            start = int(diff[0]) if diff.size else n
-            if start == n and int(pd.published[sp.row]) == n:
-                continue
-            store.device.write_table(name, sp.row, start, want[start:])
-            written += 1
-    return written
-
-
-def frame_bytes(frames: Sequence[bytes]) -> int:
-    """Payload bytes of framed records (without the 32-byte frames)."""
-    return sum(len(f) - FRAME_OVERHEAD for f in frames)
-
-
-__all__ = ["Follower", "FollowerStore", "Step", "sync_tables"]
+__all__ = ["Follower", "FollowerStore", "Step"]

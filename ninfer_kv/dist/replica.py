@@ -26,7 +26,11 @@ each follower keeps its own beside it (``Follower.host_crcs``, ``Follower.verify
 checks the leader's published epochs and coverage against what it copied. Restores (H2D) run
 on every rank from its own arena.
 
-Not in this version: standby promotion (a follower keeps no journal).
+A follower opened with ``persist_dir`` is a standby (``dist.standby``): it journals what it
+applies, acknowledges every message holding a record that changes what a reopen keeps (the
+leader lists it in ``acks=`` and its boundary returns only after the ack), and
+``Follower.promote()`` reopens it as a normal store after the leader died. Not in this
+version: rebuilding a TP group from promoted ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import contextlib
 import dataclasses
 import operator
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -43,6 +47,7 @@ from crc32c import crc32c
 
 from ninfer_kv.dist.errors import ReplicaError, StreamBroken
 from ninfer_kv.dist.stream import (
+    ACK,
     END,
     FAILED,
     HELLO_MAGIC,
@@ -50,10 +55,12 @@ from ninfer_kv.dist.stream import (
     VERSION,
     Hello,
     Message,
+    decode_ack,
     encode_hello,
     encode_message,
 )
 from ninfer_kv.engine.config import StoreConfig
+from ninfer_kv.engine.core import changes_what_survives
 from ninfer_kv.engine.state import digest, encode_state
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, InvalidArgument
@@ -92,7 +99,10 @@ class Leader:
     stream (``StreamBroken``): nothing can re-send what a follower missed."""
 
     def __init__(self, store: KVStore, send: Callable[[bytes], None], *,
-                 send_digest: bool = False) -> None:
+                 send_digest: bool = False, acks: Sequence[Callable[[], bytes]] = ()) -> None:
+        """``acks``: one receive function per standby rank (``wire.receiver(r)``). A boundary
+        whose records change what a reopen keeps returns only once every standby
+        acknowledged them durable (``Follower.promote`` then keeps them, §5.3)."""
         st = store.state
         used = {n: p.allocated + p.reserved for n, p in st.pools.items()}
         if st.bundles or any(used.values()) or (st.host is not None and st.host.live_bytes) \
@@ -104,15 +114,19 @@ class Leader:
             raise ReplicaError("attach a Leader to an open, healthy store")
         if store.record_hook is not None:
             raise ReplicaError("this store already streams its records to another Leader")
+        if not all(callable(a) for a in acks):
+            raise InvalidArgument("acks: one receive function per standby rank")
         self.store = store
         self._send = send
+        self._acks = list(acks)
+        self._durable = False                 # a record since the last message must survive
         self.send_digest = send_digest
         self.salt = random.getrandbits(32)
         self._crc = crc32c(encode_state(st))  # the chain starts at the state followers load
         self._frames: list[bytes] = []
         self._n = 0                           # boundary messages sent
         self.failed: str | None = None
-        self.stats = {"messages": 0, "records": 0, "bytes": 0}
+        self.stats = {"messages": 0, "records": 0, "bytes": 0, "acked": 0}
         self._hello = encode_hello(Hello(HELLO_MAGIC, VERSION, self.salt, st.seq, self._crc,
                                          st.plan, encode_state(st), digest(st)))
         self._transmit(self._hello)
@@ -121,6 +135,29 @@ class Leader:
     def _on_record(self, seq: int, events: list[Any]) -> None:
         frame, self._crc = pack_record(seq, self._crc, self.salt, 0, CODEC.encode(events))
         self._frames.append(frame)
+        self._durable = self._durable or changes_what_survives(events)
+
+    def _await_acks(self, n: int) -> None:
+        """Every standby's ack of message ``n``, or stop the stream: a boundary whose durable
+        records a standby may lack must not return."""
+        for i, recv in enumerate(self._acks):
+            try:
+                a = decode_ack(recv())
+                why = None if a.ok and a.n == n else (
+                    f"standby {i} stopped: {a.error}" if not a.ok
+                    else f"standby {i} acknowledged message {a.n}, not {n}")
+            except Exception as exc:  # noqa: BLE001 - the link or the ack itself: stop
+                why = f"no ack from standby {i}: {type(exc).__name__}: {exc}"
+            if why is not None:
+                self.failed = why
+                self.store.record_hook = None
+                self._n += 1
+                with contextlib.suppress(Exception):
+                    self._send(encode_message(Message(MSG_MAGIC, VERSION, self._n, FAILED, b"",
+                                                      "", [])))
+                log.error("replica.leader_stopped", reason=why)
+                raise StreamBroken(f"leader stopped streaming at message {n}: {why}; its "
+                                   "durable records may be missing on that standby")
 
     def _transmit(self, message: bytes) -> None:
         """Send, or stop the stream: the followers that got the message would wait for a
@@ -149,12 +186,18 @@ class Leader:
                                "record is published at the next boundary (Leader.boundary)")
         dig = digest(self.store.state) if self.send_digest and not flags & FAILED else ""
         frames, self._frames = self._frames, []
+        wait = bool(self._acks) and self._durable and not flags & FAILED
+        self._durable = False
         self._n += 1
-        msg = encode_message(Message(MSG_MAGIC, VERSION, self._n, flags, note, dig, frames))
+        msg = encode_message(Message(MSG_MAGIC, VERSION, self._n, flags | (ACK if wait else 0),
+                                     note, dig, frames))
         self._transmit(msg)
         self.stats["messages"] += 1
         self.stats["records"] += len(frames)
         self.stats["bytes"] += len(msg)
+        if wait:
+            self._await_acks(self._n)
+            self.stats["acked"] += 1
         return len(msg)
 
     @contextlib.contextmanager

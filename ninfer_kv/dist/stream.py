@@ -1,4 +1,4 @@
-"""The TP record stream's two message kinds, on the wire (version 2).
+"""The TP record stream's three message kinds, on the wire (version 3).
 
 Every message is a msgpack body followed by the CRC-32C of that body (4 bytes, little
 endian). A message that fails its CRC, does not decode, or whose fields have the wrong types
@@ -9,13 +9,19 @@ is refused with ``RecordRefused`` and nothing of it is applied.
   value, its capacity plan, its (empty) state encoded as a snapshot, and that state's digest.
 * **Boundary message** (one per leader boundary): an array ``[magic: "NKVB", version, n,
   flags, note, digest, frames]`` — ``n`` counts the messages of the stream from 1, so a lost,
-  repeated or reordered message is refused even when it carries no record; ``flags`` is END
-  (the leader closed the stream) or FAILED (the leader stopped, fail-stop); ``note`` is the
+  repeated or reordered message is refused even when it carries no record; ``flags`` holds END
+  (the leader closed the stream), FAILED (the leader stopped, fail-stop) and ACK (a record in
+  it changes what a reopen keeps: every standby acknowledges it once it is durable there,
+  and the leader's boundary returns only then); ``note`` is the
   scheduler's output, opaque bytes; ``digest`` the leader's state digest after the frames, or
   ""; ``frames`` the records since the previous message, each framed exactly as in the journal
   (docs/journal-format.md, "Record frame").
 
-Version 1 had no ``n`` and no CRC on the hello.
+* **Ack** (standby to leader): an array ``[magic: "NKVA", version, n, ok, error]`` — message
+  ``n`` (flagged ACK) is applied and fsynced in the standby's journal (``ok``), or the standby
+  stopped and why (``ok`` false; sent at once, read by the leader at its next ACK message).
+
+Version 1 had no ``n`` and no CRC on the hello; version 2 no ACK flag and no Ack.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from crc32c import crc32c
 
 from ninfer_kv.dist.errors import RecordRefused
 
-HELLO_MAGIC, MSG_MAGIC, VERSION = "NKVH", "NKVB", 2
-END, FAILED = 1, 2
+HELLO_MAGIC, MSG_MAGIC, ACK_MAGIC, VERSION = "NKVH", "NKVB", "NKVA", 3
+END, FAILED, ACK = 1, 2, 4
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -50,6 +56,14 @@ class Message(msgspec.Struct, array_like=True, frozen=True):
     note: bytes
     digest: str
     frames: list[bytes]
+
+
+class Ack(msgspec.Struct, array_like=True, frozen=True):
+    magic: str
+    version: int
+    n: int
+    ok: bool
+    error: str
 
 
 def seal(body: bytes) -> bytes:
@@ -94,3 +108,11 @@ def decode_hello(data: bytes) -> Hello:
 
 def decode_message(data: bytes) -> Message:
     return _open(data, "message", MSG_MAGIC, Message)
+
+
+def encode_ack(a: Ack) -> bytes:
+    return seal(msgspec.msgpack.encode(a))
+
+
+def decode_ack(data: bytes) -> Ack:
+    return _open(data, "ack", ACK_MAGIC, Ack)

@@ -200,7 +200,7 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
         Follower.from_hello(cfg, b"\x01\x02\x03")
     with pytest.raises(RecordRefused, match="hello magic/version"):
         Follower.from_hello(cfg, encode_hello(replace(hello, magic="XXXX")))
-    with pytest.raises(ConfigError, match="keeps no journal"):
+    with pytest.raises(ConfigError, match="needs ack="):
         Follower.from_hello(shard_config(w.config(journal_dir=str(tmp_path)), 2), sent[0])
     with pytest.raises(RecordRefused, match="the leader announced"):
         Follower.from_hello(cfg, encode_hello(replace(hello, digest="0" * 64)))

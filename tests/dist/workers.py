@@ -367,3 +367,72 @@ def abort_worker(rank: int, port: int, out: str) -> None:
     store.close()
     dump(Path(out) / f"a{rank}.json", res)
     dist.destroy_process_group()
+
+
+# --- standby promotion --------------------------------------------------------------------------
+def _fill_planes(store: KVStore, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in store.device.planes("main"):
+        u = t.view(torch.uint8)
+        u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8, generator=g))
+
+
+def _page_bytes(store: KVStore, bundle: int) -> list[torch.Tensor]:
+    p = store.state.pools["main"]
+    ids = [p.pages[s].device for s in p.spaces[bundle].members]  # type: ignore[union-attr]
+    return [t.view(torch.uint8)[ids].clone() for t in store.device.planes("main")]
+
+
+def standby_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 leads with a persistent host tier, offloads a checkpoint (its boundary waits for
+    the standby's ack), starts another request, then dies without a word (``os._exit``).
+    Rank 1, a standby, sees the stream break and promotes itself."""
+    from ninfer_kv.dist import StreamBroken
+
+    init(rank, port)
+    cfg = shard_config(config(host_bytes=HOST_BYTES, persist_dir=str(Path(out) / f"r{rank}")), 2)
+    if rank == 0:
+        store = KVStore.open(cfg)
+        leader = Leader(store, sender([1]), send_digest=True, acks=[receiver(1)])
+        s = store.activate(128, 4)
+        store.ensure_mapped(s, "main", 128)
+        with leader.boundary(b"fill"):
+            _fill_planes(store, 0)
+        store.commit(s, "main", 128)
+        ck = store.finish(s, retain=True)
+        assert ck is not None
+        store.offload(ck, drop_device=True)
+        with leader.boundary():       # returns once the standby acknowledged the publish
+            pass
+        c = store.activate(30, 4)
+        store.ensure_mapped(c, "main", 30)
+        with leader.boundary():
+            pass
+        dump(Path(out) / "leader.json", {"checkpoint": ck, "acked": leader.stats["acked"]})
+        os._exit(0)                   # no close, no END: the leader is gone
+    f = Follower.join(cfg, receiver(0), ack=sender([0]))
+    mine: list[torch.Tensor] = []
+    broke = ""
+    while True:
+        try:
+            step = f.step()
+        except StreamBroken as exc:
+            broke = str(exc)
+            break
+        if step.note == b"fill":
+            _fill_planes(f.store, 1)
+            mine = _page_bytes(f.store, next(iter(f.store.state.bundles)))
+    promoted = f.promote()
+    ck = next(b for b, x in promoted.state.bundles.items() if not x.active)
+    s = promoted.activate_from(ck, 128, 130, 2)
+    promoted.ensure_mapped(s, "main", 130)
+    with promoted.boundary():
+        pass
+    got = _page_bytes(promoted, s)
+    same = all(torch.equal(g[:2], m) for g, m in zip(got, mine, strict=True))
+    dump(Path(out) / "standby.json", {
+        "broke": broke, "checkpoints": sorted(b for b, x in promoted.state.bundles.items()
+                                              if not x.active and b != s),
+        "dropped": sorted(promoted.recovery.dropped), "own_bytes": same,
+        "violations": promoted.violations()})
+    promoted.close()

@@ -1,0 +1,236 @@
+"""A standby follower persists what it applies and is promoted after the leader dies, with
+every checkpoint the leader's boundaries reported durable (§5.3) — holding *its own* shard.
+
+In one process: the leader's messages reach the standby synchronously through ``Link`` and
+its acks come back through a list, as ``wire.sender`` / ``wire.receiver`` carry them over
+gloo (tests/dist/test_tp.py runs that path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kv import KVStore
+from ninfer_kv.dist import Follower, Leader, PlanMismatch, ReplicaError, StreamBroken, shard_config
+from ninfer_kv.errors import ConfigError
+from tests.dist import workers as w
+
+HOST = 1 << 22
+
+
+class Link:
+    """Delivers each leader message to the standby at once; collects its acks."""
+
+    def __init__(self) -> None:
+        self.hello: bytes | None = None
+        self.follower: Follower | None = None
+        self.acks: list[bytes] = []
+        self.errors: list[BaseException] = []
+
+    def send(self, message: bytes) -> None:
+        if self.follower is None:
+            self.hello = message
+            return
+        try:
+            self.follower.accept(message)
+        except Exception as exc:  # noqa: BLE001 - the standby's failure is its own
+            self.errors.append(exc)
+
+    def ack(self) -> bytes:
+        return self.acks.pop(0)
+
+
+def cfg(tmp_path: Path, name: str, **kw: object) -> object:
+    return shard_config(w.config(host_bytes=HOST, persist_dir=str(tmp_path / name), **kw), 2)
+
+
+def pair(tmp_path: Path) -> tuple[KVStore, Leader, Follower, Link]:
+    link = Link()
+    store = KVStore.open(cfg(tmp_path, "leader"))  # type: ignore[arg-type]
+    leader = Leader(store, link.send, send_digest=True, acks=[link.ack])
+    assert link.hello is not None
+    link.follower = Follower.from_hello(cfg(tmp_path, "standby"), link.hello,  # type: ignore[arg-type]
+                                        ack=link.acks.append)
+    return store, leader, link.follower, link
+
+
+def _fill(store: KVStore, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in store.device.planes("main"):
+        u = t.view(torch.uint8)
+        u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8, generator=g))
+
+
+def _pages(store: KVStore, bundle: int) -> list[torch.Tensor]:
+    p = store.state.pools["main"]
+    ids = [p.pages[s].device for s in p.spaces[bundle].members]  # type: ignore[union-attr]
+    return [t.view(torch.uint8)[ids].clone() for t in store.device.planes("main")]
+
+
+def _checkpoints(store: KVStore) -> dict[int, int]:
+    return {b: store.checkpoint_info(b).frontier for b, x in store.state.bundles.items()
+            if not x.active}
+
+
+def test_a_promoted_standby_keeps_every_acknowledged_checkpoint_with_its_own_shard(
+        tmp_path: Path) -> None:
+    store, leader, standby, link = pair(tmp_path)
+    a, b = store.activate(128, 4), store.activate(100, 4)
+    store.ensure_mapped_many("main", [a, b], [128, 100])
+    with leader.boundary():
+        pass
+    _fill(store, 1)
+    _fill(standby.store, 2)                      # the other rank's shard: other bytes
+    store.commit_many("main", [a, b], [128, 100])
+    ck_a = store.finish(a, retain=True)
+    ck_b = store.finish(b, retain=True)          # stays device-only: not durable anywhere
+    assert ck_a is not None and ck_b is not None
+    with leader.boundary():
+        pass
+    theirs = _pages(standby.store, ck_a)
+    store.offload(ck_a, drop_device=True)
+    with leader.boundary():                      # HostPublish: returns once the standby acked
+        pass
+    c = store.activate(30, 4)                    # an active sequence: a reopen aborts it
+    store.ensure_mapped(c, "main", 30)
+    with leader.boundary():
+        pass
+    assert not link.errors and not link.acks
+    assert leader.stats["acked"] == 2            # the retained finishes, then the publish
+    assert standby.store.digest() == store.digest()
+
+    promoted = standby.promote()                 # the leader "dies": it never closes
+    try:
+        assert _checkpoints(promoted) == {ck_a: 128}
+        assert sorted(promoted.recovery.dropped) == [ck_b, c]  # device-only, active
+        promoted.check_invariants()
+        s = promoted.activate_from(ck_a, 128, 130, 2)  # host-only pages: restored (H2D)
+        promoted.ensure_mapped(s, "main", 130)
+        with promoted.boundary():
+            pass
+        got = _pages(promoted, s)
+        for g, want in zip(got, theirs, strict=True):
+            assert torch.equal(g[:2], want), "the promoted standby restored another shard"
+    finally:
+        promoted.close()
+    store.close()                                # the leader's own reopen keeps the same
+    again = KVStore.open(store.config)
+    try:
+        assert _checkpoints(again) == {ck_a: 128}
+    finally:
+        again.close()
+
+
+def test_only_messages_with_durable_records_wait_for_the_ack(tmp_path: Path) -> None:
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 8)
+    for t in range(60, 68):                      # decode rounds: active sequences only
+        store.ensure_mapped(s, "main", t)
+        with leader.boundary():
+            pass
+        store.commit(s, "main", t)
+    assert leader.stats["acked"] == 0 and not link.acks
+    store.finish(s, retain=False)                # nothing survives either way: no ack
+    with leader.boundary():
+        pass
+    assert leader.stats["acked"] == 0
+    assert standby.store.digest() == store.digest() and not link.errors
+    store.close()
+
+
+def test_a_durable_boundary_without_the_standbys_ack_stops_the_stream(tmp_path: Path) -> None:
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+    standby.store.close()                        # the standby is gone: no ack comes
+    with pytest.raises(StreamBroken, match="no ack from standby 0"):
+        with leader.boundary():
+            pass
+    assert leader.failed is not None
+    store.close()
+
+
+def test_a_standby_that_fails_tells_the_leader_why(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from ninfer_kv.dist import standby as sb
+    from ninfer_kv.errors import JournalFailed
+
+    store, leader, standby, link = pair(tmp_path)
+
+    def full(store_: KVStore, events: list) -> int:  # noqa: ARG001
+        raise JournalFailed("write of record 3: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(sb, "persist", full)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():                      # not durable: the leader does not wait ...
+        pass
+    assert standby.failed is not None and len(link.errors) == 1
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+    with pytest.raises(StreamBroken, match="standby 0 stopped: .*No space left"):
+        with leader.boundary():                  # ... but the next durable one hears why
+            pass
+    store.close()
+
+
+def test_standby_refusals(tmp_path: Path) -> None:
+    link = Link()
+    store = KVStore.open(cfg(tmp_path, "leader"))  # type: ignore[arg-type]
+    Leader(store, link.send, acks=[link.ack])
+    assert link.hello is not None
+    with pytest.raises(ConfigError, match="needs ack="):   # a standby acknowledges
+        Follower.from_hello(cfg(tmp_path, "s1"), link.hello)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs ack="):   # a plain follower does not
+        Follower.from_hello(shard_config(w.config(host_bytes=HOST), 2), link.hello,
+                            ack=link.acks.append)
+    no_host = shard_config(w.config(persist_dir=str(tmp_path / "s2")), 2)
+    with pytest.raises((ConfigError, PlanMismatch), match="host"):
+        Follower.from_hello(no_host, link.hello, ack=link.acks.append)
+    used = tmp_path / "s3"
+    first = Follower.from_hello(cfg(tmp_path, "s3"), link.hello,  # type: ignore[arg-type]
+                                ack=link.acks.append)
+    first.close()
+    with pytest.raises(ConfigError, match="holding no journal or arena yet"):
+        Follower.from_hello(cfg(tmp_path, "s3"), link.hello,  # type: ignore[arg-type]
+                            ack=link.acks.append)
+    assert (used / "journal").is_dir()
+    plain = Follower.from_hello(shard_config(w.config(host_bytes=HOST), 2), link.hello)
+    with pytest.raises(ReplicaError, match="nothing to promote"):
+        plain.promote()
+    store.close()
+
+    # a leader whose host arena is in memory: its "durable" checkpoints die with it
+    link2 = Link()
+    mem = KVStore.open(shard_config(w.config(host_bytes=HOST), 2))
+    Leader(mem, link2.send, acks=[link2.ack])
+    assert link2.hello is not None
+    with pytest.raises(PlanMismatch, match="persistent host tier"):
+        Follower.from_hello(cfg(tmp_path, "s4"), link2.hello,  # type: ignore[arg-type]
+                            ack=link2.acks.append)
+    assert {p.name for p in (tmp_path / "s4" / "journal").iterdir()} <= {"LOCK"}
+    assert not (tmp_path / "s4" / "host_arena.bin").exists()
+    Follower.from_hello(cfg(tmp_path, "s4"), link.hello,  # type: ignore[arg-type]
+                        ack=link.acks.append).close()  # the unused directories still serve
+    mem.close()
+
+
+def test_a_standby_promotes_itself_when_the_leader_process_dies(tmp_path: Path) -> None:
+    """Over gloo: the leader process exits mid-stream after an acknowledged offload."""
+    import json
+
+    codes = w.launch(w.standby_worker, str(tmp_path))
+    assert codes == [0, 0], codes
+    lead = json.loads((tmp_path / "leader.json").read_text())
+    got = json.loads((tmp_path / "standby.json").read_text())
+    assert lead["acked"] >= 1
+    assert "stream broke" in got["broke"]
+    assert got["checkpoints"] == [lead["checkpoint"]]      # kept, with this rank's bytes
+    assert got["own_bytes"] is True
+    assert len(got["dropped"]) == 1                        # the active request, aborted
+    assert got["violations"] == []
