@@ -179,8 +179,7 @@ class Follower:
                     + (f"; the last refusal: {self.refused}" if self.refused else ""))
             seq = self.apply_records(m.frames, m.digest or None)
             if self._ack is not None and m.flags & ACK:
-                self.store.journal.sync()  # type: ignore[union-attr]
-                self._ack(encode_ack(Ack(ACK_MAGIC, VERSION, m.n, True, "")))
+                self._acknowledge(m.n)
         except Exception as exc:
             if isinstance(exc, ReplicaError):  # named again when the next message is refused
                 self.refused = str(exc)
@@ -195,6 +194,21 @@ class Follower:
         self.stats["messages"] += 1
         self.stats["bytes"] += len(message)
         return Step(seq, len(m.frames), m.note, self.ended)
+
+    def _acknowledge(self, n: int) -> None:
+        """A standby: make everything applied durable, then say so. Its records are applied
+        already, so a failure here stops the follower (the leader hears it, or its wait for
+        the ack fails)."""
+        try:
+            self.store.journal.sync()  # type: ignore[union-attr]
+        except KVStoreError as exc:
+            self.failed = f"the standby's journal sync failed at seq {self.seq}: {exc}"
+            raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc
+        try:
+            self._ack(encode_ack(Ack(ACK_MAGIC, VERSION, n, True, "")))  # type: ignore[misc]
+        except Exception as exc:
+            self.failed = f"the ack of message {n} was not sent: {type(exc).__name__}: {exc}"
+            raise StreamBroken(f"follower stopped: {self.failed}") from exc
 
     def _nack(self, why: str) -> None:
         """Tell the leader this standby stopped, once (it reads it at its next ACK)."""

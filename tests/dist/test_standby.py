@@ -234,3 +234,30 @@ def test_a_standby_promotes_itself_when_the_leader_process_dies(tmp_path: Path) 
     assert got["own_bytes"] is True
     assert len(got["dropped"]) == 1                        # the active request, aborted
     assert got["violations"] == []
+
+
+def test_a_standby_whose_sync_fails_after_applying_stops(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Review repro: the records were applied when the fsync before the ack failed; the
+    follower then neither counted the message nor stopped, and took the next one for a
+    repeat."""
+    from ninfer_kv.errors import JournalFailed
+
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+
+    def broken() -> int:
+        raise JournalFailed("fsync: [Errno 5] Input/output error")
+
+    monkeypatch.setattr(standby.store.journal, "sync", broken)
+    with pytest.raises(StreamBroken, match="standby 0 stopped: .*Input/output error"):
+        with leader.boundary():
+            pass
+    assert standby.failed is not None and "journal sync failed" in standby.failed
+    with pytest.raises(ReplicaError, match="stopped earlier"):
+        standby.accept(b"")
+    store.close()
