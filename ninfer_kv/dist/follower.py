@@ -348,6 +348,8 @@ class Follower:
         packed page) against the CRC it computed at the copy: what ``verify_checkpoint`` is
         to a leader. Returns the mismatches (empty: all match). Forgets replicas the state
         no longer has."""
+        if self.store.closed:
+            raise StoreClosed("verify_host refused: this follower is closed (its arena with it)")
         st, arena, bad = self.store.state, self.store.arena, []
         for (pool, slot), (off, crc) in list(self.host_crcs.items()):
             pg = st.pools[pool].pages[slot]

@@ -120,17 +120,30 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
     if drop_device:  # what is already offloaded drops now; the rest when its copy publishes
         events.extend(ev.DeviceDrop(pool, pack(slots))
                       for pool, slots in _select(store, checkpoint, can_drop_device))
-    if not recipe:
-        store._emit(*events)
-        return 0
     i = 0
     for pool, slots in recipe:
         offs = offsets[i:i + len(slots)]
         i += len(slots)
         events.append(ev.HostReserve(pool, pack(slots), pack_i64(offs)))
-        store._transfers.append(Transfer(pool, slots, offs, set(slots) if drop_device else set()))
+        store._transfers.append(Transfer(pool, slots, offs, set()))
     store._emit(*events)
+    if drop_device:  # every queued copy of its pages, this one's or an earlier offload's
+        _drop_when_published(store, checkpoint)
     return len(sizes)
+
+
+def _drop_when_published(store: Txn, checkpoint: int) -> int:
+    """Schedule the device replicas of ``checkpoint``'s pages whose D2H copy is queued to
+    drop when that copy publishes (by ``can_drop_device`` then). Returns the pages."""
+    members = {pool: set(store.state.pools[pool].spaces[checkpoint].members)
+               for pool in store.state.bundles[checkpoint].pools}
+    scheduled = 0
+    for tr in store._transfers:
+        mine = [s for s in tr.slots if s in members.get(tr.pool, ())]
+        if mine:
+            tr.drop.update(mine)
+            scheduled += len(mine)
+    return scheduled
 
 
 def drop_device(store: Txn, checkpoint: int) -> int:
@@ -138,17 +151,10 @@ def drop_device(store: Txn, checkpoint: int) -> int:
     page groups return to the pool. A page whose D2H copy is still queued (offload before this
     boundary) drops when that copy publishes, by the same rule then. Returns the pages
     dropped now plus those scheduled."""
-    pools = _checkpoint(store, checkpoint)
+    _checkpoint(store, checkpoint)
     sel = _select(store, checkpoint, can_drop_device)
     store._emit(*(ev.DeviceDrop(pool, pack(slots)) for pool, slots in sel))
-    members = {pool: set(store.state.pools[pool].spaces[checkpoint].members) for pool in pools}
-    scheduled = 0
-    for tr in store._transfers:
-        mine = [s for s in tr.slots if s in members.get(tr.pool, ())]
-        if mine:
-            tr.drop.update(mine)
-            scheduled += len(mine)
-    return sum(len(slots) for _, slots in sel) + scheduled
+    return sum(len(slots) for _, slots in sel) + _drop_when_published(store, checkpoint)
 
 
 def drop_host(store: Txn, bundle: int) -> int:

@@ -182,3 +182,13 @@ def test_host_copy_records_are_refused_whole_by_a_follower_without_an_arena(pair
             follower.apply_records([rec])
         assert follower.store.digest() == before
         assert follower.failed is None
+
+
+def test_verify_host_on_a_closed_follower_is_refused(hosted) -> None:  # noqa: ANN001
+    from ninfer_kv.errors import StoreClosed
+
+    store, leader, follower, sent = hosted
+    _offloaded(store, leader, follower, sent)
+    follower.close()
+    with pytest.raises(StoreClosed, match="verify_host refused"):
+        follower.verify_host()

@@ -198,3 +198,20 @@ def test_copy_source_is_pinned_until_the_boundary_ran_the_copy(tmp_path: Path) -
         assert torch.equal(g[:, :36], w[:, :36])
     del y
     s.close()
+
+
+def test_offload_with_drop_after_a_plain_offload_drops_when_the_copy_publishes(
+        tmp_path: Path) -> None:
+    """Review repro: ``offload(ck)`` then ``offload(ck, drop_device=True)`` before the
+    boundary queued nothing new, and so scheduled no drop: the device pages stayed (as
+    ``drop_device(ck)`` would have scheduled them)."""
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 150)
+    main = s.state.pools["main"]
+    assert s.offload(ck) == 3
+    assert s.offload(ck, drop_device=True) == 0      # already queued: not copied twice
+    step(s)
+    assert all(main.pages[x].device == -1 and main.pages[x].host is not None
+               for x in s.space(ck).members)
+    s.check_invariants()
+    s.close()
