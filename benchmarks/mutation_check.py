@@ -103,7 +103,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "dist/replica.py", "dist/follower.py",
-                 "dist/stream.py", "cache/preemption.py")
+                 "dist/stream.py", "dist/standby.py", "cache/preemption.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -158,8 +158,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("integrations/*.py", ["tests/integrations/test_transformers.py"], []),
     # in-process tests only: a mutant is installed in this process, not in spawned ranks
     *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py",
-                     "tests/dist/test_replica_host.py"],
-       []) for m in ("replica.py", "follower.py", "stream.py")),
+                     "tests/dist/test_replica_host.py", "tests/dist/test_standby.py"],
+       []) for m in ("replica.py", "follower.py", "stream.py", "standby.py")),
     ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
     ("engine/invariants.py", [*INCREMENTAL, *ENGINE], MACHINE),
     ("engine/incremental*.py", INCREMENTAL, MACHINE),

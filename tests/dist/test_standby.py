@@ -14,7 +14,7 @@ import torch
 
 from ninfer_kv import KVStore
 from ninfer_kv.dist import Follower, Leader, PlanMismatch, ReplicaError, StreamBroken, shard_config
-from ninfer_kv.errors import ConfigError
+from ninfer_kv.errors import ConfigError, InvalidArgument
 from tests.dist import workers as w
 
 HOST = 1 << 22
@@ -189,9 +189,17 @@ def test_standby_refusals(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs ack="):   # a plain follower does not
         Follower.from_hello(shard_config(w.config(host_bytes=HOST), 2), link.hello,
                             ack=link.acks.append)
-    no_host = shard_config(w.config(persist_dir=str(tmp_path / "s2")), 2)
-    with pytest.raises((ConfigError, PlanMismatch), match="host"):
-        Follower.from_hello(no_host, link.hello, ack=link.acks.append)
+    with pytest.raises(InvalidArgument, match="one receive function per standby"):
+        Leader(KVStore.open(shard_config(w.config(), 2)), link.send, acks=[None])  # type: ignore[list-item]
+    link0 = Link()                         # no host tier anywhere: nothing would survive
+    bare = KVStore.open(shard_config(w.config(), 2))
+    Leader(bare, link0.send, acks=[link0.ack])
+    assert link0.hello is not None
+    with pytest.raises(ConfigError, match="needs persist_dir and host_bytes > 0"):
+        Follower.from_hello(shard_config(w.config(persist_dir=str(tmp_path / "s2")), 2),
+                            link0.hello, ack=link0.acks.append)
+    assert not (tmp_path / "s2").exists()
+    bare.close()
     used = tmp_path / "s3"
     first = Follower.from_hello(cfg(tmp_path, "s3"), link.hello,  # type: ignore[arg-type]
                                 ack=link.acks.append)
@@ -260,4 +268,27 @@ def test_a_standby_whose_sync_fails_after_applying_stops(tmp_path: Path, monkeyp
     assert standby.failed is not None and "journal sync failed" in standby.failed
     with pytest.raises(ReplicaError, match="stopped earlier"):
         standby.accept(b"")
+    store.close()
+
+
+def test_a_standby_whose_ack_cannot_be_sent_stops(tmp_path: Path) -> None:
+    """The records are applied and durable, but the leader will never hear it: the standby
+    stops (the stream is broken) instead of going on as if acknowledged."""
+    store, leader, standby, link = pair(tmp_path)
+
+    def gone(message: bytes) -> None:  # noqa: ARG001
+        raise RuntimeError("Connection closed by peer")
+
+    standby._ack = gone
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+    with pytest.raises(StreamBroken, match="no ack from standby 0"):
+        with leader.boundary():
+            pass
+    assert isinstance(link.errors[0], StreamBroken)  # then the FAILED message: refused
+    assert standby.failed is not None and "was not sent" in standby.failed
     store.close()
