@@ -183,9 +183,12 @@ class Follower:
         except Exception as exc:
             if isinstance(exc, ReplicaError):  # named again when the next message is refused
                 self.refused = str(exc)
+            # a standby tells the leader, which may be waiting for its ack: when it stopped,
+            # when the message asked for an ack, or when it could not read whether it did
+            # (nothing re-sends a message; the leader's next ACK boundary stops the stream)
             leader_stopped = m is not None and m.flags & FAILED
             if self._ack is not None and not self._nacked and not leader_stopped and (
-                    self.failed is not None or (m is not None and m.flags & ACK)):
+                    self.failed is not None or m is None or m.flags & ACK):
                 self._nack(f"{type(exc).__name__}: {exc}")
             raise
         self.expect += 1

@@ -28,11 +28,15 @@ class Link:
         self.follower: Follower | None = None
         self.acks: list[bytes] = []
         self.errors: list[BaseException] = []
+        self.damage = False     # flip a byte of the next message in transit
 
     def send(self, message: bytes) -> None:
         if self.follower is None:
             self.hello = message
             return
+        if self.damage:
+            self.damage = False
+            message = message[:20] + bytes([message[20] ^ 0x10]) + message[21:]
         try:
             self.follower.accept(message)
         except Exception as exc:  # noqa: BLE001 - the standby's failure is its own
@@ -291,4 +295,21 @@ def test_a_standby_whose_ack_cannot_be_sent_stops(tmp_path: Path) -> None:
             pass
     assert isinstance(link.errors[0], StreamBroken)  # then the FAILED message: refused
     assert standby.failed is not None and "was not sent" in standby.failed
+    store.close()
+
+
+def test_a_damaged_message_makes_the_standby_tell_the_leader_at_once(tmp_path: Path) -> None:
+    """A message that fails its CRC does not say whether it asked for an ack; the leader may
+    be waiting for one (over gloo, until the group's timeout): the standby tells it."""
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+    link.damage = True
+    with pytest.raises(StreamBroken, match="standby 0 stopped: RecordRefused: message of"):
+        with leader.boundary():
+            pass
     store.close()
