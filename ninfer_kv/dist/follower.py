@@ -319,7 +319,7 @@ class Follower:
                 st.seq = standby.persist(store, kept)
             if store._written:
                 forget_written(store, events)
-        except (*APPLY_ERRORS, KVStoreError, RuntimeError) as exc:  # UnappliableRecord too
+        except (*APPLY_ERRORS, KVStoreError, RuntimeError, OSError) as exc:  # an msync too
             self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
             raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc

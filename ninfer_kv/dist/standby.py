@@ -23,16 +23,18 @@ import os
 from typing import Any, TypeVar
 
 import msgspec
+import structlog
 
 from ninfer_kv.dist.errors import PlanMismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.opening import ARENA_NAME
 from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import ConfigError
+from ninfer_kv.errors import ConfigError, KVStoreError
 from ninfer_kv.journal import events as ev
 
 S = TypeVar("S", bound=KVStore)
+log = structlog.get_logger(__name__)
 
 
 def is_standby(config: StoreConfig) -> bool:
@@ -80,8 +82,13 @@ def persist(store: KVStore, events: list[Any]) -> int:
 
 
 def promote(store: KVStore) -> KVStore:
-    """Close the standby's store and reopen its directories as a normal store (recovery)."""
+    """Close the standby's store and reopen its directories as a normal store (recovery).
+    A close that fails (its journal failed earlier) still releases the files and locks; the
+    journal on disk is then the truth, as after a crash."""
     config = store.config
     if not store.closed:
-        store.close()
+        try:
+            store.close()
+        except KVStoreError as exc:
+            log.warning("standby.close_failed", error=str(exc))
     return KVStore.open(config)

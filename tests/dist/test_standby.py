@@ -313,3 +313,64 @@ def test_a_damaged_message_makes_the_standby_tell_the_leader_at_once(tmp_path: P
         with leader.boundary():
             pass
     store.close()
+
+
+def test_a_standby_whose_journal_failed_is_still_promoted(tmp_path: Path, monkeypatch  # noqa: ANN001
+                                                          ) -> None:
+    """Review repro: after its fsync failed, the first promote() raised StoreFailed from
+    close() (which re-synced the failed journal) and only a second call reopened."""
+    from ninfer_kv.errors import JournalFailed
+
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    store.finish(s, retain=True)
+    journal = standby.store.journal
+    assert journal is not None
+
+    def eio() -> int:
+        journal._fail("fsync: [Errno 5] Input/output error")
+        return 0
+
+    monkeypatch.setattr(journal, "sync", eio)
+    with pytest.raises(StreamBroken):
+        with leader.boundary():
+            pass
+    promoted = standby.promote()
+    try:
+        promoted.check_invariants()
+    finally:
+        promoted.close()
+    store.close()
+
+
+def test_a_failed_msync_of_the_standby_arena_stops_it(tmp_path: Path) -> None:
+    """Review repro: an OSError from the arena's msync escaped raw and left the follower
+    running with a HostReserve applied that its journal lacks."""
+    from ninfer_kv.dist import ReplicaDiverged
+
+    store, leader, standby, link = pair(tmp_path)
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    ck = store.finish(s, retain=True)
+    with leader.boundary():
+        pass
+    arena = standby.store.arena
+    assert arena is not None and ck is not None
+
+    def eio() -> None:
+        raise OSError(5, "msync failed")
+
+    arena.flush = eio  # type: ignore[method-assign]
+    store.offload(ck)
+    with pytest.raises(StreamBroken, match="standby 0 stopped: ReplicaDiverged"):
+        with leader.boundary():
+            pass
+    assert isinstance(link.errors[0], ReplicaDiverged) and standby.failed is not None
+    store.close()
