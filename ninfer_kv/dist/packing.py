@@ -69,16 +69,31 @@ def stage(store: KVStore, pool: str, k: int, slot: int, device: torch.device
     return _stage(plane_views(store, pool), k, slot, device)
 
 
+def in_place_views(store: KVStore, pool: str, ids: list[int], device: torch.device
+             ) -> list[torch.Tensor] | None:
+    """Per plane, the slices of page groups ``ids`` as views of the planes — when the ids are
+    consecutive and the slices contiguous on ``device`` (page-major planes) — else None."""
+    if not ids or NO_PAGE in ids or not consecutive(ids):
+        return None
+    views = [pv[ids[0]:ids[0] + len(ids)] for pv in plane_views(store, pool)]
+    return views if all(v.is_contiguous() and v.device == device for v in views) else None
+
+
+def direct(store: KVStore, pool: str, pages: list[LogicalKVPage], device: torch.device
+           ) -> list[torch.Tensor] | None:
+    """``pages``' slices as views of the planes (``in_place_views``), or None: ``gather`` copies."""
+    return in_place_views(store, pool, [pg.device for pg in pages], device)
+
+
 def gather(store: KVStore, pool: str, pages: list[LogicalKVPage], slot: int,
            device: torch.device) -> list[torch.Tensor]:
     """Per plane, ``pages``' slices as one contiguous ``[k, H, row bytes]`` tensor on
     ``device``: views of the planes when possible, else copies into staging ``slot``."""
+    views = direct(store, pool, pages, device)
+    if views is not None:
+        return views
     views = plane_views(store, pool)
     ids = [pg.device for pg in pages]
-    if NO_PAGE not in ids and consecutive(ids):
-        direct = [pv[ids[0]:ids[0] + len(ids)] for pv in views]
-        if all(d.is_contiguous() and d.device == device for d in direct):
-            return direct
     out = _stage(views, len(pages), slot, device)
     dev = [i for i, g in enumerate(ids) if g != NO_PAGE]
     if dev:
@@ -104,12 +119,10 @@ def targets(store: KVStore, pool: str, ids: list[int], slot: int, device: torch.
     """Where a chunk for page groups ``ids`` is received: the planes themselves (True) when
     the ids are consecutive and the slices contiguous on ``device``, else staging (False;
     ``scatter`` then writes it)."""
-    views = plane_views(store, pool)
-    if consecutive(ids):
-        direct = [pv[ids[0]:ids[0] + len(ids)] for pv in views]
-        if all(d.is_contiguous() and d.device == device for d in direct):
-            return direct, True
-    return _stage(views, len(ids), slot, device), False
+    views = in_place_views(store, pool, ids, device)
+    if views is not None:
+        return views, True
+    return _stage(plane_views(store, pool), len(ids), slot, device), False
 
 
 def scatter(store: KVStore, pool: str, ids: list[int], chunk: list[torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferError, TransferRefused
-from ninfer_kv.dist.packing import crcs, scatter, stage, targets
+from ninfer_kv.dist.packing import crcs, in_place_views, scatter, stage, targets
 from ninfer_kv.dist.transfer import (
     MAGIC,
     VERSION,
@@ -141,7 +141,10 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
 
     bad: str | None = None
     moved = 0
-    for ci in range(min(2, len(plan))):
+    # every chunk lands in its pages: post every receive now; else two at a time (staging)
+    ahead = len(plan) if all(in_place_views(store, n, ids, dev) is not None
+                             for n, _, ids, _ in plan) else 2
+    for ci in range(min(ahead, len(plan))):
         post(ci)
     for ci, (name, a, ids, pb) in enumerate(plan):
         sums, chunk, in_place, works = posted.pop(ci)
@@ -156,7 +159,7 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
                 bad = verify(name, ci, a, ids, sums, chunk, in_place)
             except Exception as exc:
                 failed = exc
-        if ci + 2 < len(plan):  # staging slot ci % 2 is free again: chunk ci is done with it
+        if ahead == 2 and ci + 2 < len(plan):  # staging slot ci % 2 is free again
             post(ci + 2)
     if failed is not None:
         raise failed

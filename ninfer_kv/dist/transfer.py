@@ -5,7 +5,10 @@ rank move one inactive checkpoint: its metadata, frontier per pool, and the byte
 in logical order — every plane of every layer, as the host tier lays a page out (§5.3,
 "HostKVPageLayout": no device ids, no holes). A chunk of whole pages travels as one tensor per
 plane, then the CRC-32C of each page: zero-copy views of the planes when the pages are
-consecutive page groups (dist/packing.py), staging copies otherwise; two chunks are in flight.
+consecutive page groups (dist/packing.py), staging copies otherwise. Zero-copy chunks are
+all posted at once (they need no buffer; the sender checksums each while the next are on the
+wire, the receiver posts every receive up front when all its chunks land in place); staged
+chunks go two at a time.
 
 The receiver follows the §5.3 publication order across machines::
 
@@ -44,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferRefused
-from ninfer_kv.dist.packing import crcs, gather, stage
+from ninfer_kv.dist.packing import crcs, direct, gather, stage
 from ninfer_kv.dist.wire import recv_bytes, send_bytes, wire_device
 from ninfer_kv.engine import host
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
@@ -128,6 +131,12 @@ def _recv_status(peer: int, group: Any, what: str) -> dict[str, Any]:
     return s  # type: ignore[no-any-return]
 
 
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+    works.clear()
+
+
 # --- sender -----------------------------------------------------------------------------------
 def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
            chunk_bytes: int = DEFAULT_CHUNK, on_chunk: ChunkHook | None = None
@@ -164,23 +173,25 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
             for ci, a in enumerate(range(0, len(pages), step)):
                 k = min(step, len(pages) - a)
                 slot = ci % 2
-                for w in inflight[slot]:  # staging `slot` may hold the chunk before last
-                    w.wait()
                 chunk: list[torch.Tensor] | None = None
                 if failed is None:
-                    try:
-                        chunk = gather(store, name, pages[a:a + k], slot, dev)
+                    try:  # views of the planes need no buffer; a staged chunk reuses `slot`
+                        chunk = direct(store, name, pages[a:a + k], dev)
+                        if chunk is None:
+                            _wait(inflight[slot])  # which may hold the chunk before last
+                            chunk = gather(store, name, pages[a:a + k], slot, dev)
                         if on_chunk is not None:
                             on_chunk(name, ci, chunk)
                     except Exception as exc:  # ours, not the wire's: owe the rest, "aborted"
                         failed, chunk = exc, None
                 if chunk is None:
+                    _wait(inflight[slot])
                     chunk = [t.zero_() for t in stage(store, name, k, slot, dev)]
                 # the bytes go first; their CRCs are computed while they are on the wire
                 works = [dist.isend(c, dst, group=group) for c in chunk]
                 sums = torch.tensor(crcs(chunk) if failed is None else [ABORTED] * k,
                                     dtype=torch.int64, device=dev)
-                inflight[slot] = [*works, dist.isend(sums, dst, group=group)]
+                inflight[slot] += [*works, dist.isend(sums, dst, group=group)]
                 chunks += 1
                 moved += k * pb
             for ws in inflight:

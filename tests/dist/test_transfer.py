@@ -80,3 +80,14 @@ def test_a_side_failing_by_itself_mid_transfer_tells_the_other(tmp_path: Path) -
     # (3) the wire stayed in step: the next transfer goes through
     pages = -(-w.PROMPT // 64)
     assert a["third"] == b["third"] == pages and b["third_info"] == w.PROMPT
+
+
+def test_a_transfer_between_fragmented_stores_goes_through_staging(tmp_path: Path) -> None:
+    codes = w.launch(w.frag_worker, str(tmp_path))
+    assert codes == [0, 0], codes
+    a, b = load(tmp_path, "f0.json"), load(tmp_path, "f1.json")
+    for side in (a, b):  # scattered page groups on both sides: no zero-copy chunk
+        ids = side["ids"]
+        assert len(ids) >= 3 and all(y != x + 1 for x, y in zip(ids, ids[1:], strict=False))
+    assert a["chunks"] >= 3  # two scattered pages per chunk: both staging slots reused
+    assert b["crcs"] == a["crcs"] and b["violations"] == []

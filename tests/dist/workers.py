@@ -436,3 +436,67 @@ def standby_worker(rank: int, port: int, out: str) -> None:
         "dropped": sorted(promoted.recovery.dropped), "own_bytes": same,
         "violations": promoted.violations()})
     promoted.close()
+
+
+# --- a transfer between fragmented stores ---------------------------------------------------------
+def _interleaved(store: KVStore, tokens: int) -> tuple[int, int]:
+    """Two sequences mapped a page at a time in turn: each one's page groups alternate."""
+    a, b = store.activate(tokens, DECODE), store.activate(tokens, DECODE)
+    for t in range(64, tokens + 64, 64):
+        for s in (a, b):
+            store.ensure_mapped(s, "main", min(t, tokens))
+    with store.boundary():
+        pass
+    return a, b
+
+
+def _page_crcs(store: KVStore, bundle: int) -> list[int]:
+    from ninfer_kv.dist.packing import crcs, gather
+
+    p = store.state.pools["main"]
+    pages = [p.pages[s] for s in p.spaces[bundle].members]
+    return crcs(gather(store, "main", pages, 0, torch.device("cpu")))  # type: ignore[arg-type]
+
+
+def frag_worker(rank: int, port: int, out: str) -> None:
+    """Both sides' page groups are scattered (every other one), so each chunk goes through
+    staging on both sides, two at a time: the receiver's pages hold the sender's bytes."""
+    from ninfer_kv.dist import export, import_
+
+    init(rank, port)
+    tokens = 7 * 64  # 4 chunks of 2 pages
+    store = KVStore.open(StoreConfig(
+        model=ModelGeometry(layers=LAYERS, kv_heads=HKV, head_dim=D),
+        serving=ServingConfig(max_context=tokens + 64, max_concurrency=4), kv_tokens=24 * 64))
+    page = store.plan.layout.pools[next(iter(store.plan.layout.pools))].page_bytes
+    res: dict[str, Any] = {}
+    a, b = _interleaved(store, tokens)
+    if rank == 0:
+        _fill_planes(store, 5)
+        store.commit(a, "main", tokens)
+        ck = store.finish(a, retain=True)
+        store.finish(b)
+        with store.boundary():
+            pass
+        assert ck is not None
+        p = store.state.pools["main"]
+        res["ids"] = [int(p.pages[s].device) for s in p.spaces[ck].members]  # type: ignore[union-attr]
+        res["crcs"] = _page_crcs(store, ck)
+        res["chunks"] = export(store, ck, 1, chunk_bytes=2 * page).chunks
+    else:
+        store.finish(a)          # frees every other page group
+        with store.boundary():
+            pass
+        def slow(pool: str, idx: int, data: list[torch.Tensor]) -> None:
+            if idx == 0:  # chunks 1, 2, ... arrive meanwhile: chunk 2 must not be posted
+                time.sleep(0.3)  # into staging slot 0 before chunk 0 was checked and written
+
+        rep = import_(store, 0, on_chunk=slow)
+        p = store.state.pools["main"]
+        res["ids"] = [int(p.pages[s].device)  # type: ignore[union-attr]
+                      for s in p.spaces[rep.checkpoint].members]
+        res["crcs"] = _page_crcs(store, rep.checkpoint)
+        res["violations"] = store.violations()
+    store.close()
+    dump(Path(out) / f"f{rank}.json", res)
+    dist.destroy_process_group()
