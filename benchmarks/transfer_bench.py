@@ -1,7 +1,7 @@
 """Checkpoint export/import throughput over gloo vs a raw torch.distributed send of the same
 bytes, measured in the same run on two local processes. Prints; never asserts on time.
 
-    python benchmarks/transfer_bench.py [--pages 64] [--layers 4] [--repeat 5] [--chunk-mib 4]
+    python benchmarks/transfer_bench.py [--pages 64] [--layers 4] [--repeat 5] [--chunk-mib 16]
 
 The raw baseline sends the same number of bytes in tensors of the same chunk size with
 ``dist.send`` (no packing, no CRC, no store). The ratio (goal >= 0.8) is export throughput
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer_kv import KVStore, ModelGeometry, ServingConfig, StoreConfig  # noqa: E402
 from ninfer_kv.dist import export, import_  # noqa: E402
+from ninfer_kv.dist.transfer import DEFAULT_CHUNK  # noqa: E402
 
 
 def make_store(a: argparse.Namespace) -> KVStore:
@@ -146,7 +147,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--chunk-mib", type=int, default=4)
+    p.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK >> 20,
+                   help="bytes per chunk (default: export's own default)")
     a = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as s:
