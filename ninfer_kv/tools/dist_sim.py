@@ -7,6 +7,9 @@ docs/multi-gpu.md on local gloo processes (CPU), with a toy model (seeded random
   once the next boundary dropped them it is continued for ``CONTINUE`` tokens (its pages
   restored, H2D) and the checkpoint released: every rank copies its own shard out and back
   (§5.3), and each follower checks its replicas against its own CRCs every step.
+  ``--standby``: the leader and the last rank keep their directories (a persistent host tier)
+  and that rank is a standby; every other finished request's checkpoint stays offloaded, and
+  at the end the standby is promoted: it must keep exactly what a reopen of the leader keeps.
 * ``--disagg``: rank 0 prefills each request and exports the checkpoint; rank 1 imports it and
   decodes it (``dist.export`` / ``dist.import_``).
 
@@ -49,6 +52,7 @@ HOST_BYTES = 8 << 20
 class DistSimOptions:
     tp: int = 1
     disagg: bool = False
+    standby: bool = False
     requests: int = 8
     seed: int = 0
     chunk_bytes: int = 1 << 20
@@ -58,6 +62,8 @@ class DistSimOptions:
         if (self.tp > 1) == self.disagg:
             raise InvalidArgument(f"tp={self.tp}, disagg={self.disagg}: choose one topology "
                                   "(--tp N with N >= 2, or --disagg)")
+        if self.standby and self.tp < 2:
+            raise InvalidArgument("--standby needs --tp N with N >= 2 (the last rank stands by)")
         if KV_HEADS % self.tp:
             raise InvalidArgument(f"--tp {self.tp} must divide the toy model's {KV_HEADS} KV "
                                   "heads")
@@ -91,7 +97,8 @@ def _kv(store: KVStore, seqs: list[int], starts: list[int], ends: list[int], ste
         append_kv(store.batch_view("main", layer), rows, pos, k.contiguous(), v.contiguous())
 
 
-def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int) -> int:
+def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int,
+          keep_every: int = 0) -> int:
     """Continuous batching on the leader: admit while rows are free, one token per round. A
     finished request's checkpoint is offloaded (device pages dropped at the next boundary),
     then continued once the next boundary dropped its device pages: from its host replicas."""
@@ -134,7 +141,8 @@ def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int) 
                 ck = store.finish(s, retain=True)
                 assert ck is not None
                 store.offload(ck, drop_device=True)
-                offloaded.append((ck, step))
+                if not (keep_every and ck % keep_every == 0):  # else it stays, durable
+                    offloaded.append((ck, step))
         step += 1
     leader.close()
     return step
@@ -147,15 +155,20 @@ def worker(rank: int, port: int, opts: DistSimOptions, out: str) -> None:
     res: dict[str, Any] = {"rank": rank}
     t0 = time.perf_counter()
     if opts.tp > 1:
-        cfg = shard_config(config(), opts.tp, host_bytes=HOST_BYTES)
+        last = world - 1
+        standby = opts.standby and rank in (0, last)  # the leader's dirs, the standby's
+        cfg = shard_config(config(), opts.tp, host_bytes=HOST_BYTES,
+                           persist_dir=str(Path(out, f"rank{rank}")) if standby else None)
         if rank == 0:
             store = KVStore.open(cfg)
-            leader = Leader(store, sender(range(1, world)), send_digest=True)
-            res["boundaries"] = _lead(store, leader, requests(opts), opts.tp)
+            leader = Leader(store, sender(range(1, world)), send_digest=True,
+                            acks=[receiver(last)] if opts.standby else ())
+            res["boundaries"] = _lead(store, leader, requests(opts), opts.tp,
+                                      2 if opts.standby else 0)
             res.update(bytes=leader.stats["bytes"] * (world - 1), records=leader.stats["records"],
-                       host_bad=[])
+                       host_bad=[], acked=leader.stats["acked"])
         else:
-            f = Follower.join(cfg, receiver(0))
+            f = Follower.join(cfg, receiver(0), ack=sender([0]) if standby else None)
             store = f.store
             bad: list[str] = []
 
@@ -173,6 +186,14 @@ def worker(rank: int, port: int, opts: DistSimOptions, out: str) -> None:
     res["seconds"] = time.perf_counter() - t0
     res["digest"] = store.digest()
     res["violations"] = store.violations()
+    if opts.tp > 1 and standby:  # after the stream: promote the standby, reopen the leader
+        if rank == last:
+            store = f.promote()
+        else:
+            store.close()
+            store = KVStore.open(cfg)
+        res["kept"] = sorted(store.recovery.kept)
+        res["violations"] += store.violations()
     store.close()
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -233,6 +254,10 @@ def run(opts: DistSimOptions) -> dict[str, Any]:
                        d2h_pages=[r["d2h_pages"] for r in ranks],
                        h2d_pages=[r["h2d_pages"] for r in ranks],
                        host_replicas_ok=all(not r["host_bad"] for r in ranks))
+        if opts.standby:  # the promoted standby keeps what a reopen of the leader keeps
+            summary.update(acked=lead["acked"], leader_reopen_kept=lead["kept"],
+                           standby_promoted_kept=ranks[-1]["kept"],
+                           standby_ok=lead["kept"] == ranks[-1]["kept"] != [])
         secs = lead["seconds"]
     else:
         summary.update(checkpoints=ranks[1]["checkpoints"], pages=ranks[1]["pages"],
@@ -251,9 +276,11 @@ def run_cli(a: Any, console: Any) -> int:
 
     from ninfer_kv.tools.output import emit_json
 
-    opts = DistSimOptions(tp=a.tp, disagg=a.disagg, requests=a.limit or 8, seed=a.seed)
+    opts = DistSimOptions(tp=a.tp, disagg=a.disagg, requests=a.limit or 8, seed=a.seed,
+                          standby=a.standby)
     d = run(opts)
-    ok = d["invariants_ok"] and d.get("digests_equal", True) and d.get("host_replicas_ok", True)
+    ok = d["invariants_ok"] and d.get("digests_equal", True) and d.get("host_replicas_ok", True) \
+        and d.get("standby_ok", True)
     if a.json:
         emit_json(d)
         return 0 if ok else 1

@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
                    help="TP replicas on N local gloo processes (docs/multi-gpu.md)")
     p.add_argument("--disagg", action="store_true",
                    help="prefill/decode disaggregation: checkpoint transfer between 2 processes")
+    p.add_argument("--standby", action="store_true",
+                   help="with --tp: the last rank is a standby, promoted once the stream ends")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="occupancy and prefix-hit ratio over boundaries (PNG)")
     p.add_argument("dir")

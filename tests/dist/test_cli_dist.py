@@ -39,3 +39,17 @@ def test_simulate_disagg(capsys: pytest.CaptureFixture[str]) -> None:
 def test_simulate_refuses_both_topologies(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--tp", "2", "--disagg", "--json"]) == 2
     assert "choose one topology" in capsys.readouterr().err
+
+
+def test_simulate_tp2_with_a_standby(capsys: pytest.CaptureFixture[str]) -> None:
+    """The standby, promoted after the stream, keeps exactly the checkpoints a reopen of the
+    leader keeps (every other request's stays offloaded, durable)."""
+    d = run_json(capsys, "--tp", "2", "--standby", "--limit", "6")
+    assert d["acked"] > 0 and d["digests_equal"] is True
+    assert d["leader_reopen_kept"] and d["standby_promoted_kept"] == d["leader_reopen_kept"]
+    assert d["standby_ok"] is True and d["invariants_ok"] is True
+
+
+def test_simulate_standby_needs_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--disagg", "--standby", "--json"]) == 2
+    assert "--standby needs --tp" in capsys.readouterr().err
