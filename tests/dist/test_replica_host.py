@@ -34,20 +34,6 @@ def hosted() -> Iterator[tuple[KVStore, Leader, Follower, list[bytes]]]:
     follower.close()
 
 
-def _fill(store: KVStore, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in store.device.planes("main"):
-        u = t.view(torch.uint8)
-        u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8, generator=g))
-
-
-def _pages(store: KVStore, bundle: int) -> list[torch.Tensor]:
-    """The bytes of every page of ``bundle``, per plane, in logical order."""
-    p = store.state.pools["main"]
-    ids = [p.pages[s].device for s in p.spaces[bundle].members]  # type: ignore[union-attr]
-    return [t.view(torch.uint8)[ids].clone() for t in store.device.planes("main")]
-
-
 def _deliver(follower: Follower, sent: list[bytes]) -> None:
     while sent:
         follower.accept(sent.pop(0))
@@ -62,15 +48,15 @@ def _offloaded(store: KVStore, leader: Leader, follower: Follower, sent: list[by
     with leader.boundary():
         pass
     _deliver(follower, sent)
-    _fill(store, 1)
-    _fill(follower.store, 2)  # another shard: other bytes
+    w.fill_planes(store, 1)
+    w.fill_planes(follower.store, 2)  # another shard: other bytes
     store.commit(s, "main", TOKENS)
     ck = store.finish(s, retain=True)
     assert ck is not None
     with leader.boundary():
         pass
     _deliver(follower, sent)
-    mine, theirs = _pages(store, ck), _pages(follower.store, ck)
+    mine, theirs = w.page_bytes_of(store, ck), w.page_bytes_of(follower.store, ck)
     assert not torch.equal(mine[0], theirs[0])
     assert store.offload(ck, drop_device=True) == 2
     with leader.boundary():           # HostReserve, the D2H copies, HostPublish + DeviceDrop
@@ -99,7 +85,7 @@ def test_offload_and_restore_run_on_each_rank_over_its_own_shard(hosted) -> None
     _deliver(follower, sent)
     assert follower.stats["h2d_pages"] == 2
     assert follower.store.digest() == store.digest()
-    for got, want in ((_pages(store, s2), mine), (_pages(follower.store, s2), theirs)):
+    for got, want in ((w.page_bytes_of(store, s2), mine), (w.page_bytes_of(follower.store, s2), theirs)):
         for g, x in zip(got, want, strict=True):
             assert torch.equal(g[:2], x), "a rank restored bytes that are not its own shard's"
     follower.store.check_invariants()

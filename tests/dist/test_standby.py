@@ -60,17 +60,17 @@ def pair(tmp_path: Path) -> tuple[KVStore, Leader, Follower, Link]:
     return store, leader, link.follower, link
 
 
-def _fill(store: KVStore, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in store.device.planes("main"):
-        u = t.view(torch.uint8)
-        u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8, generator=g))
-
-
-def _pages(store: KVStore, bundle: int) -> list[torch.Tensor]:
-    p = store.state.pools["main"]
-    ids = [p.pages[s].device for s in p.spaces[bundle].members]  # type: ignore[union-attr]
-    return [t.view(torch.uint8)[ids].clone() for t in store.device.planes("main")]
+def retain_one(store: KVStore, leader: Leader) -> int:
+    """A 64-token request written through one boundary, then finished with retain: its
+    record (at the next boundary) changes what a reopen keeps."""
+    s = store.activate(64, 1)
+    store.ensure_mapped(s, "main", 64)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 64)
+    ck = store.finish(s, retain=True)
+    assert ck is not None
+    return ck
 
 
 def _checkpoints(store: KVStore) -> dict[int, int]:
@@ -85,15 +85,15 @@ def test_a_promoted_standby_keeps_every_acknowledged_checkpoint_with_its_own_sha
     store.ensure_mapped_many("main", [a, b], [128, 100])
     with leader.boundary():
         pass
-    _fill(store, 1)
-    _fill(standby.store, 2)                      # the other rank's shard: other bytes
+    w.fill_planes(store, 1)
+    w.fill_planes(standby.store, 2)                      # the other rank's shard: other bytes
     store.commit_many("main", [a, b], [128, 100])
     ck_a = store.finish(a, retain=True)
     ck_b = store.finish(b, retain=True)          # stays device-only: not durable anywhere
     assert ck_a is not None and ck_b is not None
     with leader.boundary():
         pass
-    theirs = _pages(standby.store, ck_a)
+    theirs = w.page_bytes_of(standby.store, ck_a)
     store.offload(ck_a, drop_device=True)
     with leader.boundary():                      # HostPublish: returns once the standby acked
         pass
@@ -114,7 +114,7 @@ def test_a_promoted_standby_keeps_every_acknowledged_checkpoint_with_its_own_sha
         promoted.ensure_mapped(s, "main", 130)
         with promoted.boundary():
             pass
-        got = _pages(promoted, s)
+        got = w.page_bytes_of(promoted, s)
         for g, want in zip(got, theirs, strict=True):
             assert torch.equal(g[:2], want), "the promoted standby restored another shard"
     finally:
@@ -146,12 +146,7 @@ def test_only_messages_with_durable_records_wait_for_the_ack(tmp_path: Path) -> 
 
 def test_a_durable_boundary_without_the_standbys_ack_stops_the_stream(tmp_path: Path) -> None:
     store, leader, standby, link = pair(tmp_path)
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    store.finish(s, retain=True)
+    retain_one(store, leader)         # queued: the next boundary is durable
     standby.store.close()                        # the standby is gone: no ack comes
     with pytest.raises(StreamBroken, match="no ack from standby 0"):
         with leader.boundary():
@@ -255,12 +250,7 @@ def test_a_standby_whose_sync_fails_after_applying_stops(tmp_path: Path, monkeyp
     from ninfer_kv.errors import JournalFailed
 
     store, leader, standby, link = pair(tmp_path)
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    store.finish(s, retain=True)
+    retain_one(store, leader)         # queued: the next boundary is durable
 
     def broken() -> int:
         raise JournalFailed("fsync: [Errno 5] Input/output error")
@@ -284,12 +274,7 @@ def test_a_standby_whose_ack_cannot_be_sent_stops(tmp_path: Path) -> None:
         raise RuntimeError("Connection closed by peer")
 
     standby._ack = gone
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    store.finish(s, retain=True)
+    retain_one(store, leader)         # queued: the next boundary is durable
     with pytest.raises(StreamBroken, match="no ack from standby 0"):
         with leader.boundary():
             pass
@@ -302,12 +287,7 @@ def test_a_damaged_message_makes_the_standby_tell_the_leader_at_once(tmp_path: P
     """A message that fails its CRC does not say whether it asked for an ack; the leader may
     be waiting for one (over gloo, until the group's timeout): the standby tells it."""
     store, leader, standby, link = pair(tmp_path)
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    store.finish(s, retain=True)
+    retain_one(store, leader)         # queued: the next boundary is durable
     link.damage = True
     with pytest.raises(StreamBroken, match="standby 0 stopped: RecordRefused: message of"):
         with leader.boundary():
@@ -322,12 +302,7 @@ def test_a_standby_whose_journal_failed_is_still_promoted(tmp_path: Path, monkey
     from ninfer_kv.errors import JournalFailed
 
     store, leader, standby, link = pair(tmp_path)
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    store.finish(s, retain=True)
+    retain_one(store, leader)         # queued: the next boundary is durable
     journal = standby.store.journal
     assert journal is not None
 
@@ -353,12 +328,7 @@ def test_a_failed_msync_of_the_standby_arena_stops_it(tmp_path: Path) -> None:
     from ninfer_kv.dist import ReplicaDiverged
 
     store, leader, standby, link = pair(tmp_path)
-    s = store.activate(64, 1)
-    store.ensure_mapped(s, "main", 64)
-    with leader.boundary():
-        pass
-    store.commit(s, "main", 64)
-    ck = store.finish(s, retain=True)
+    ck = retain_one(store, leader)
     with leader.boundary():
         pass
     arena = standby.store.arena

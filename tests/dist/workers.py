@@ -370,14 +370,16 @@ def abort_worker(rank: int, port: int, out: str) -> None:
 
 
 # --- standby promotion --------------------------------------------------------------------------
-def _fill_planes(store: KVStore, seed: int) -> None:
+def fill_planes(store: KVStore, seed: int) -> None:
+    """Every byte of every plane of the main pool: seeded random (a rank's own shard)."""
     g = torch.Generator().manual_seed(seed)
     for t in store.device.planes("main"):
         u = t.view(torch.uint8)
         u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8, generator=g))
 
 
-def _page_bytes(store: KVStore, bundle: int) -> list[torch.Tensor]:
+def page_bytes_of(store: KVStore, bundle: int) -> list[torch.Tensor]:
+    """The bytes of every page of ``bundle`` in the main pool, per plane, in logical order."""
     p = store.state.pools["main"]
     ids = [p.pages[s].device for s in p.spaces[bundle].members]  # type: ignore[union-attr]
     return [t.view(torch.uint8)[ids].clone() for t in store.device.planes("main")]
@@ -397,7 +399,7 @@ def standby_worker(rank: int, port: int, out: str) -> None:
         s = store.activate(128, 4)
         store.ensure_mapped(s, "main", 128)
         with leader.boundary(b"fill"):
-            _fill_planes(store, 0)
+            fill_planes(store, 0)
         store.commit(s, "main", 128)
         ck = store.finish(s, retain=True)
         assert ck is not None
@@ -420,15 +422,15 @@ def standby_worker(rank: int, port: int, out: str) -> None:
             broke = str(exc)
             break
         if step.note == b"fill":
-            _fill_planes(f.store, 1)
-            mine = _page_bytes(f.store, next(iter(f.store.state.bundles)))
+            fill_planes(f.store, 1)
+            mine = page_bytes_of(f.store, next(iter(f.store.state.bundles)))
     promoted = f.promote()
     ck = next(b for b, x in promoted.state.bundles.items() if not x.active)
     s = promoted.activate_from(ck, 128, 130, 2)
     promoted.ensure_mapped(s, "main", 130)
     with promoted.boundary():
         pass
-    got = _page_bytes(promoted, s)
+    got = page_bytes_of(promoted, s)
     same = all(torch.equal(g[:2], m) for g, m in zip(got, mine, strict=True))
     dump(Path(out) / "standby.json", {
         "broke": broke, "checkpoints": sorted(b for b, x in promoted.state.bundles.items()
@@ -472,7 +474,7 @@ def frag_worker(rank: int, port: int, out: str) -> None:
     res: dict[str, Any] = {}
     a, b = _interleaved(store, tokens)
     if rank == 0:
-        _fill_planes(store, 5)
+        fill_planes(store, 5)
         store.commit(a, "main", tokens)
         ck = store.finish(a, retain=True)
         store.finish(b)
