@@ -76,7 +76,8 @@ def in_place_views(store: KVStore, pool: str, ids: list[int], device: torch.devi
     if not ids or NO_PAGE in ids or not consecutive(ids):
         return None
     views = [pv[ids[0]:ids[0] + len(ids)] for pv in plane_views(store, pool)]
-    return views if all(v.is_contiguous() and v.device == device for v in views) else None
+    ok = views and all(v.is_contiguous() and v.device == device for v in views)
+    return views if ok else None
 
 
 def direct(store: KVStore, pool: str, pages: list[LogicalKVPage], device: torch.device

@@ -50,6 +50,8 @@ def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
         raise TransferRefused(f"sender pools {[n for n, *_ in pools]} != receiver pools "
                               f"{list(store.pools)} (a continuation needs every pool, §8.3)")
     for n, f, k, pb, c in pools:
+        if not store.device.pools[n].planes:  # nothing to receive the bytes into (§5.3)
+            raise TransferRefused(f"import: pool {n} has no planes (allocate_planes=False)")
         if not 1 <= c * pb <= MAX_CHUNK or pb != mine["pools"][n]["page_bytes"]:
             raise TransferRefused(f"pool {n}: chunks of {c} pages x {pb} B outside "
                                   f"[1, {MAX_CHUNK}] B or page bytes not the receiver's")

@@ -63,3 +63,30 @@ def test_chunks_are_the_host_layout_cut_by_plane(profile: Profile) -> None:
             for t, b in zip(planes, before, strict=True):
                 t.copy_(b)
     store.close()
+
+
+def test_a_receiver_without_planes_refuses_the_header() -> None:
+    """Review repro: a receiver opened with allocate_planes=False passed the header check,
+    posted no receive for the planes ("in place", with no planes), and gloo killed its
+    process when the first plane's bytes arrived. It now refuses before "ready"."""
+    from ninfer_kv.dist.errors import TransferRefused
+    from ninfer_kv.dist.packing import in_place_views
+    from ninfer_kv.dist.receive import _check_header
+    from ninfer_kv.dist.transfer import MAGIC, VERSION, layout_of
+
+    def open_(planes: bool) -> KVStore:
+        return KVStore.open(StoreConfig(
+            model=ModelGeometry(layers=2, kv_heads=2, head_dim=64),
+            serving=ServingConfig(max_context=256, max_concurrency=2), kv_tokens=8 * 64,
+            allocate_planes=planes))
+
+    sender, receiver = open_(True), open_(False)
+    pb = sender.plan.layout.pools[next(iter(sender.plan.layout.pools))].page_bytes
+    header = {"magic": MAGIC, "version": VERSION, "layout": layout_of(sender),
+              "pools": [["main", 128, 2, pb, 1]]}
+    assert _check_header(sender, header)              # the same header passes with planes
+    with pytest.raises(TransferRefused, match="pool main has no planes"):
+        _check_header(receiver, header)
+    assert in_place_views(receiver, "main", [0, 1], torch.device("cpu")) is None
+    sender.close()
+    receiver.close()
