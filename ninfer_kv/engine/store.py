@@ -24,12 +24,11 @@ import numpy as np
 import structlog
 import torch
 
-from ninfer_kv.engine import checked, continuation, decode, growth, host, info
+from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_int, as_ints
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
-from ninfer_kv.engine.decode import why_not_writable, writable
 from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
@@ -40,15 +39,12 @@ from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
     FrontierError,
-    InactiveSpace,
     InvalidArgument,
     StaleHandle,
     StoreClosed,
     UnknownHandle,
-    WritePermissionError,
 )
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import pack
 
 log = structlog.get_logger(__name__)
 
@@ -187,80 +183,21 @@ class KVStore(StoreCore):
         """Unmap trailing pages: NeededPages = ceil(max(committed, provisional) / P) (§8.2).
         Returns the pages unmapped; their leases go back to this space's reservation."""
         self._usable("trim")
-        bundle = as_int("seq", bundle)
-        sp = self._space(bundle, pool, active=True)
-        keep = ceil_div(max(sp.committed, sp.provisional), P)
-        if keep >= sp.nmem:
-            return 0
-        self._check_private(self._pool(pool), sp, keep)
-        n = sp.nmem - keep
-        self._emit(ev.Trim(bundle, sp.pool, keep))
-        self._touch(sp.pool, bundle, keep)
-        checked.forget(self, sp.pool, bundle, keep * P)  # a page mapped again is unwritten
-        return n
-
-    def _check_private(self, p: PoolState, sp: KVAddressSpace, start: int) -> None:
-        """Blocks ``start..`` of ``sp`` may be trimmed: live, one reference, no pin."""
-        tail = sp.slots[start:]
-        bad = ~p.pg_live[tail] | (p.pg_refs[tail] != 1) | (p.pg_pins[tail] != 0)
-        if bad.any():
-            raise WritePermissionError(why_not_writable(p, sp.bundle, start + int(bad.argmax())))
+        return termination.trim(self, self._pool(pool), self._space(bundle, pool, active=True))
 
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        """Move the committed frontier back (not below the protected frontier), then trim.
-        The tail page keeps its first ``frontier % P`` columns and the writer rewrites the
-        rest: it must be writable at that column (§9.4) — a page whose copy (D2H, COW) is
-        still queued is pinned and refused, as commit refuses it."""
+        """Move the committed frontier back (not below the protected frontier), then trim
+        (engine/termination.py)."""
         self._usable("truncate")
         bundle, frontier = as_int("seq", bundle), as_int("frontier", frontier)
-        p = self._pool(pool)
-        sp = self._space(bundle, pool, active=True)
-        if not sp.protected <= frontier <= sp.committed:
-            raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
-                                f"[protected={sp.protected}, committed={sp.committed}]")
-        if frontier % P and frontier < sp.committed:
-            if not writable(p.pages[sp.members[frontier // P]], bundle, frontier % P):  # type: ignore[arg-type]
-                raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
-        keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
-        self._check_private(p, sp, keep)
-        events: list[Any] = [ev.Truncate(bundle, p.name, frontier)]
-        if keep < sp.nmem:
-            events.append(ev.Trim(bundle, p.name, keep))
-            self._touch(p.name, bundle, keep)
-        self._emit(*events)
-        checked.forget(self, p.name, bundle, frontier)  # the tail must be written again
+        termination.truncate(self, self._pool(pool), self._space(bundle, pool, active=True),
+                             frontier)
 
     # --- termination (§8.3) -----------------------------------------------------------------------
     def finish(self, bundle: int, retain: bool = False, reason: str = "stop") -> int | None:
         """Leave execution; retain an immutable checkpoint (returns its id) or release all."""
         self._usable("finish")
-        bundle = as_int("seq", bundle)
-        if not isinstance(retain, bool) or not isinstance(reason, str):
-            raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
-                                  f"{reason!r} a str")
-        try:
-            reason.encode("utf-8")  # it is journaled: refuse now what could not be written
-        except UnicodeEncodeError:
-            raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
-        b = self.state.bundles.get(bundle)
-        if b is None or not b.active:
-            raise InactiveSpace(f"seq {bundle} is not an active sequence")
-        events: list[Any] = []
-        for pool in b.pools:
-            sp = self.state.pools[pool].spaces[bundle]
-            keep = ceil_div(sp.committed, P)
-            if keep < sp.nmem:
-                self._check_private(self.state.pools[pool], sp, keep)
-                if sp.provisional > sp.committed:  # the speculative lead ends with the trim
-                    events.append(ev.ProvisionalFrontiers(pool, pack([bundle]),
-                                                          pack([sp.committed])))
-                events.append(ev.Trim(bundle, pool, keep))
-            events.append(ev.Finish(bundle, pool, retain, reason))
-        pools = b.pools            # a finish that does not retain empties them
-        self._emit(*events)
-        for pool in pools:
-            checked.forget(self, pool, bundle)
-        return bundle if retain else None
+        return termination.finish(self, as_int("seq", bundle), retain, reason)
 
     def share_prefix(self, bundle: int, frontier: int | None = None) -> int:
         """Publish the first ``frontier`` tokens of running sequence ``bundle`` — whole pages
@@ -285,11 +222,7 @@ class KVStore(StoreCore):
         """Drop a checkpoint's references; leases free with their last reference (§8.3). A
         page a queued copy still reads stays pinned until the boundary has run the copy."""
         self._usable("release")
-        checkpoint = as_int("checkpoint", checkpoint)
-        b = self.state.bundles.get(checkpoint)
-        if b is None or b.active:
-            raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-        self._emit(*(ev.Release(checkpoint, pool) for pool in b.pools))
+        termination.release(self, as_int("checkpoint", checkpoint))
 
     def release_tail(self, checkpoint: int, frontier: int) -> int | None:
         """Give up the pages of inactive ``checkpoint`` above its first ``frontier // P``
