@@ -156,7 +156,7 @@ class Follower:
         try:
             message = self._recv()
         except Exception as exc:
-            self.failed = f"the stream broke at seq {self.store.state.seq}: " \
+            self.failed = f"the stream broke at seq {self.seq}: " \
                           f"{type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
             raise StreamBroken(f"follower stopped: {self.failed}") from exc
@@ -171,7 +171,7 @@ class Follower:
             m = decode_message(message)
             if m.flags & FAILED:
                 self.failed = "the leader failed (fail-stop) and stopped streaming"
-                raise ReplicaDiverged(f"follower at seq {self.store.state.seq}: {self.failed}")
+                raise ReplicaDiverged(f"follower at seq {self.seq}: {self.failed}")
             if m.n != self.expect:
                 raise RecordRefused(
                     f"message {m.n} out of order: expected message {self.expect} (a lost, "
@@ -368,12 +368,12 @@ class Follower:
         return bad
 
     def run(self, on_step: Callable[[Step], None] | None = None) -> int:
-        """Follow until the leader ends the stream; returns the last seq."""
+        """Follow until the leader ends the stream; returns the leader's last seq."""
         while not self.ended:
             s = self.step()
             if on_step is not None:
                 on_step(s)
-        return self.store.state.seq
+        return self.seq
 
     def close(self) -> None:
         self.store.close()

@@ -27,6 +27,7 @@ import structlog
 
 from ninfer_kv.dist.errors import PlanMismatch
 from ninfer_kv.engine.config import StoreConfig
+from ninfer_kv.engine.core import changes_what_survives
 from ninfer_kv.engine.opening import ARENA_NAME
 from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore
@@ -75,8 +76,6 @@ def own_publish(e: ev.HostPublish, crcs: list[int]) -> ev.HostPublish:
 
 def persist(store: KVStore, events: list[Any]) -> int:
     """Append one applied record to the standby's journal; returns its seq there."""
-    from ninfer_kv.engine.core import changes_what_survives
-
     assert store.journal is not None
     return store.journal.append(events, durable=changes_what_survives(events))
 
