@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from ninfer_kv.journal import events as ev
@@ -241,13 +242,16 @@ def kv_events(directory: str) -> Iterator[dict[str, Any]]:
 
 
 def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
-    """The KV events one journal event produces; applies it to ``st``."""
-    before: dict[tuple[str, int], int] = {}
+    """The KV events one journal event produces; applies it to ``st``. A freed page is
+    removed from each medium it was stored on: GPU if it still had a device replica (a
+    demoted page was removed from the GPU when it was dropped), CPU if it had a host one."""
+    before: dict[tuple[str, int], tuple[int, bool, bool]] = {}
     reason = _removal_reason(e)
     if reason is not None:  # remember live pages of the pool to diff after apply
         pool = st.pools.get(getattr(e, "pool", ""))
         if pool is not None:
-            before = {(pool.name, pg.slot): pg.gen for pg in pool.pages if pg is not None}
+            before = {(pool.name, pg.slot): (pg.gen, pg.device != NO_PAGE, pg.host is not None)
+                      for pg in pool.pages if pg is not None}
     if isinstance(e, ev.Recovered):
         yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU",
                "reason": "restart"}
@@ -257,10 +261,11 @@ def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
         yield {"record": seq, "type": "BlockStored", "medium": "CPU",
                "block_hashes": [block_hash(pool_name, s, pool.gens[s]) for s in slots],
                "parent_block_hash": None, "block_size": 64}
-    if isinstance(e, ev.DeviceDrop):
+    if isinstance(e, ev.DeviceDrop | ev.HostDrop):
         pool = st.pools[e.pool]
-        yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
-               "reason": "demoted-to-host",
+        yield {"record": seq, "type": "BlockRemoved",
+               "medium": "GPU" if isinstance(e, ev.DeviceDrop) else "CPU",
+               "reason": "demoted-to-host" if isinstance(e, ev.DeviceDrop) else "host-dropped",
                "block_hashes": [block_hash(e.pool, s, pool.gens[s])
                                 for s in ev.unpack(e.slots).tolist()]}
     apply(st, e)
@@ -276,11 +281,14 @@ def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
                    "block_size": 64, "token_count": p.spaces[stored].committed}
     if before:
         pool = st.pools[e.pool]
-        gone = [block_hash(name, slot, gen) for (name, slot), gen in before.items()
+        gone = [(block_hash(name, slot, gen), on_gpu, on_cpu)
+                for (name, slot), (gen, on_gpu, on_cpu) in before.items()
                 if pool.pages[slot] is None or pool.pages[slot].gen != gen]
-        if gone:
-            yield {"record": seq, "type": "BlockRemoved", "medium": "GPU",
-                   "reason": reason, "block_hashes": gone}
+        for medium, k in (("GPU", 1), ("CPU", 2)):
+            hashes = [g[0] for g in gone if g[k]]
+            if hashes:
+                yield {"record": seq, "type": "BlockRemoved", "medium": medium,
+                       "reason": reason, "block_hashes": hashes}
 
 
 def _removal_reason(e: Any) -> str | None:

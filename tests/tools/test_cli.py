@@ -170,3 +170,34 @@ def test_reopen_after_simulation(run: dict) -> None:
     s: KVStore = make_store(opts)
     s.check_invariants()
     s.close()
+
+
+def test_kv_events_follow_each_medium_of_a_host_only_checkpoint(tmp_path) -> None:  # noqa: ANN001
+    """A checkpoint demoted to the host and then released was reported removed from the GPU a
+    second time and never from the CPU; a dropped host replica was not reported at all. Every
+    block is now removed from each medium it was stored on, once."""
+    from ninfer_kv.tools.journal_cmds import kv_events
+    from tests.engine.test_continuation import checkpoint_at, step
+    from tests.engine.test_host_tier import host_store
+
+    s = host_store(tmp_path)
+    a, b = checkpoint_at(s, 150), checkpoint_at(s, 100)
+    s.offload(a, drop_device=True)     # a: GPU -> CPU only
+    s.offload(b)                       # b: on both
+    step(s)
+    s.drop_host(b)                     # b: GPU only again
+    step(s)
+    s.release(a)
+    s.release(b)
+    step(s)
+    s.close()
+    seen: dict[tuple[str, str], int] = {}
+    for item in kv_events(str(tmp_path / "persist" / "journal")):
+        if item["type"] not in ("BlockStored", "BlockRemoved"):
+            continue
+        for h in item["block_hashes"]:
+            key = (item["medium"], h)
+            seen[key] = seen.get(key, 0) + (1 if item["type"] == "BlockStored" else -1)
+            assert seen[key] in (0, 1), f"{item['type']} of {h} on {item['medium']} twice"
+    assert seen and all(v == 0 for v in seen.values()), seen  # all stored, all removed
+    assert {m for m, _ in seen} == {"GPU", "CPU"}
