@@ -83,6 +83,7 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     idx, j = rk.space_index(b, pool.bundle_index)
     assert j < 0, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
     assert pool.sp_active[idx].all(), f"Materialize of {e.pool}: into an inactive checkpoint"
+    assert devs.min() >= 0, f"Materialize of {e.pool}: a new page without a page group (§8.1)"
     new_pages(pool, slots, devs, b)
     pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
@@ -105,8 +106,10 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
     spaces = st.pools[e.pool].spaces
     pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True))
-    assert all(b in spaces and spaces[b].active and f >= 0 for b, f in pairs), \
-        f"ProvisionalFrontiers of {e.pool}: a seq with no active space, or a negative frontier"
+    assert all(b in spaces and spaces[b].active and 0 <= f <= spaces[b].nmem * P
+               for b, f in pairs), \
+        f"ProvisionalFrontiers of {e.pool}: a seq with no active space, or a frontier outside " \
+        "[0, its membership] (§8.2)"
     for b, f in pairs:
         spaces[b].provisional = f
 
@@ -228,6 +231,8 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    assert not src.active, f"Fork of {e.src}: not an inactive checkpoint (fork_live shares " \
+        "a live sequence's prefix first, §9.2)"
     assert e.src != e.dst and dst.nmem == 0 and e.full_pages * P <= src.committed, \
         f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
     assert 0 <= e.full_pages <= src.nmem, \

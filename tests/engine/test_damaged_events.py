@@ -146,6 +146,12 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "Grow past L": [ev.Grow("main", pack([a]), pack([10_000]))],
         "CopyTail into a checkpoint": [
             ev.CopyTail(ck, "main", free_slot, free_page, a_slots[0], used_page, 10)],
+        "Provisional past the membership": [
+            ev.ProvisionalFrontiers("main", pack([a]), pack([4 * P + 1]))],
+        "Materialize without a page group": [
+            ev.Materialize("main", pack([a]), pack([free_slot]), pack([-1]))],
+        "Fork from an active sequence": [
+            ev.Activate(nxt, "main", 2, row, 0, 0, 1), ev.Fork(a, nxt, "main", 1, P)],
     }
 
 

@@ -296,14 +296,21 @@ def test_a_malformed_trace_is_one_error_line(tmp_path: Path, capsys) -> None:  #
 
 
 def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
+    """apply refuses every damaged event it can judge alone (test_damaged_events), so the
+    broken state comes from a snapshot: well-formed, on the log's CRC chain, and wrong."""
+    import copy
+
+    from ninfer_kv.engine.state import encode_state
     from ninfer_kv.errors import JournalCorrupt
 
     s = KVStore.open(small_config(tmp_path))
     a = s.activate(64, 64)
     step(s)
+    broken = copy.deepcopy(s.state)
+    broken.pools["main"].spaces[a].provisional = 10_000  # past its membership: breaks §14
     s.close()
     j = Journal.open(str(tmp_path / "journal"), CODEC)
-    j.append([ev.ProvisionalFrontiers("main", ev.pack([a]), ev.pack([10_000]))])  # breaks §14
+    j.write_snapshot(encode_state(broken))
     j.close()
     with pytest.raises(JournalCorrupt, match="breaks §14"):
         KVStore.open(s.config)
