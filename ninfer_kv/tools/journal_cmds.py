@@ -13,6 +13,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.host import replica_valid
+from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
@@ -230,79 +232,111 @@ def block_hash(pool: str, slot: int, gen: int) -> str:
 
 
 def kv_events(directory: str) -> Iterator[dict[str, Any]]:
-    """vLLM-shaped KV events derived from the journal: BlockStored when pages become reusable
-    (a retained checkpoint on GPU, a published host replica on CPU), BlockRemoved with the
-    reason our journal knows, AllBlocksCleared(GPU) on a restart."""
+    """vLLM-shaped KV events derived from the journal. A block (a page, named by pool, slot and
+    generation) is *stored* on a medium while an inactive checkpoint holds it there: on the GPU
+    with a device replica, on the CPU with a valid host replica (§5.1). Each event's effect on
+    the pages it names is diffed: BlockStored for what became stored, BlockRemoved (with the
+    reason the journal knows) for what stopped being; AllBlocksCleared(GPU) on a restart. The
+    stream is balanced: a block is removed from a medium only after it was stored there, and
+    stored again only after it was removed (``told`` is what the router has been told)."""
     reader = JournalReader(directory)
     st, start = replay_start(reader)
+    told: dict[str, set[str]] = {"GPU": set(), "CPU": set()}
     for seq, events in reader.records(start):
         for i, e in enumerate(events):
             with applying(seq, i, e):
-                yield from _event_items(st, seq, e)
+                yield from _event_items(st, seq, e, told)
 
 
-def _event_items(st: StoreState, seq: int, e: Any) -> Iterator[dict[str, Any]]:
-    """The KV events one journal event produces; applies it to ``st``. A freed page is
-    removed from each medium it was stored on: GPU if it still had a device replica (a
-    demoted page was removed from the GPU when it was dropped), CPU if it had a host one."""
-    before: dict[tuple[str, int], tuple[int, bool, bool]] = {}
-    reason = _removal_reason(e)
-    if reason is not None:  # remember live pages of the pool to diff after apply
-        pool = st.pools.get(getattr(e, "pool", ""))
-        if pool is not None:
-            before = {(pool.name, pg.slot): (pg.gen, pg.device != NO_PAGE, pg.host is not None)
-                      for pg in pool.pages if pg is not None}
+QUIET = (ev.Configure, ev.HostConfigure, ev.Activate, ev.PublishActive, ev.SetMetadata,
+         ev.Materialize, ev.CommitFrontiers, ev.ProvisionalFrontiers, ev.Grow, ev.CopyTail,
+         ev.HostReserve, ev.HostAbort)
+"""Events that never change which pages an inactive checkpoint holds, nor their replicas."""
+
+
+def _touched(st: StoreState, e: Any) -> dict[tuple[str, int], None]:
+    """The pages an event can store or remove, in order: every page of every pool on a
+    restart, else the members of the sequences or checkpoints it names and the slots it
+    lists."""
     if isinstance(e, ev.Recovered):
-        yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU",
-               "reason": "restart"}
-    if isinstance(e, ev.HostPublish):
-        pool_name, slots, _ = st.host_pending[e.offset]
-        pool = st.pools[pool_name]
-        yield {"record": seq, "type": "BlockStored", "medium": "CPU",
-               "block_hashes": [block_hash(pool_name, s, pool.gens[s]) for s in slots],
-               "parent_block_hash": None, "block_size": 64}
-    if isinstance(e, ev.DeviceDrop | ev.HostDrop):
-        pool = st.pools[e.pool]
-        yield {"record": seq, "type": "BlockRemoved",
-               "medium": "GPU" if isinstance(e, ev.DeviceDrop) else "CPU",
-               "reason": "demoted-to-host" if isinstance(e, ev.DeviceDrop) else "host-dropped",
-               "block_hashes": [block_hash(e.pool, s, pool.gens[s])
-                                for s in ev.unpack(e.slots).tolist()]}
+        return {(n, pg.slot): None for n, p in st.pools.items() for pg in p.pages
+                if pg is not None}
+    pool = st.pools.get(getattr(e, "pool", ""))
+    if pool is None:
+        return {}
+    out: dict[tuple[str, int], None] = {}
+    for attr in ("src", "bundle", "dst"):
+        sp = pool.spaces.get(getattr(e, attr, None))  # type: ignore[arg-type]
+        if sp is not None:
+            out.update(((pool.name, int(x)), None) for x in sp.members)
+    slots = getattr(e, "slots", None)
+    if isinstance(slots, bytes):
+        out.update(((pool.name, int(x)), None) for x in ev.unpack(slots).tolist())
+    return out
+
+
+def _stored(st: StoreState, keys: dict[tuple[str, int], None]
+            ) -> dict[tuple[str, str], int]:
+    """(medium, block hash) -> committed tokens, of the pages among ``keys`` that an
+    inactive checkpoint holds: on the GPU with a device replica, on the CPU with a valid
+    host replica."""
+    out: dict[tuple[str, str], int] = {}
+    for name, slot in keys:
+        pages = st.pools[name].pages
+        pg = pages[slot] if slot < len(pages) else None
+        if pg is None or pg.refs - pg.active_refs <= 0:
+            continue
+        h = block_hash(name, slot, pg.gen)
+        if pg.device != NO_PAGE:
+            out[("GPU", h)] = pg.committed
+        if replica_valid(pg, pg.committed):
+            out[("CPU", h)] = pg.committed
+    return out
+
+
+def _event_items(st: StoreState, seq: int, e: Any, told: dict[str, set[str]]
+                 ) -> Iterator[dict[str, Any]]:
+    """The KV events one journal event produces; applies it to ``st``."""
+    if isinstance(e, QUIET):
+        apply(st, e)
+        return
+    keys = _touched(st, e)
+    before = _stored(st, keys)
     apply(st, e)
-    stored = e.bundle if isinstance(e, ev.Finish) and e.retain else (
-        e.dst if isinstance(e, ev.Share) else None)  # a retained or a live-shared checkpoint
-    if stored is not None:
-        p = st.pools[e.pool]
-        members = p.spaces[stored].members
-        hashes = [block_hash(e.pool, s, p.gens[s]) for s in members]
-        if hashes:
-            yield {"record": seq, "type": "BlockStored", "medium": "GPU",
-                   "block_hashes": hashes, "parent_block_hash": None,
-                   "block_size": 64, "token_count": p.spaces[stored].committed}
-    if before:
-        pool = st.pools[e.pool]
-        gone = [(block_hash(name, slot, gen), on_gpu, on_cpu)
-                for (name, slot), (gen, on_gpu, on_cpu) in before.items()
-                if pool.pages[slot] is None or pool.pages[slot].gen != gen]
-        for medium, k in (("GPU", 1), ("CPU", 2)):
-            hashes = [g[0] for g in gone if g[k]]
-            if hashes:
-                yield {"record": seq, "type": "BlockRemoved", "medium": medium,
-                       "reason": reason, "block_hashes": hashes}
+    keys.update(_touched(st, e))
+    after = _stored(st, keys)
+    if isinstance(e, ev.Recovered):  # device contents never survive a restart
+        told["GPU"].clear()
+        yield {"record": seq, "type": "AllBlocksCleared", "medium": "GPU", "reason": "restart"}
+    reason = _removal_reason(e)
+    for medium in ("GPU", "CPU"):
+        gone = [h for m, h in before if m == medium and (m, h) not in after and h in told[m]]
+        if gone:
+            told[medium].difference_update(gone)
+            yield {"record": seq, "type": "BlockRemoved", "medium": medium, "reason": reason,
+                   "block_hashes": gone}
+        new = [(h, n) for (m, h), n in after.items() if m == medium and h not in told[m]]
+        if new:
+            told[medium].update(h for h, _ in new)
+            yield {"record": seq, "type": "BlockStored", "medium": medium,
+                   "block_hashes": [h for h, _ in new], "parent_block_hash": None,
+                   "block_size": P, "token_count": sum(n for _, n in new)}
 
 
-def _removal_reason(e: Any) -> str | None:
+def _removal_reason(e: Any) -> str:
     if isinstance(e, ev.Release):
         return "evicted"  # the caller's retention policy released the checkpoint
     if isinstance(e, ev.Finish):
         return "aborted-restart" if e.reason.startswith("abort") else "finished"
-    if isinstance(e, ev.Trim):
-        return "trimmed"
     if isinstance(e, ev.Move):
-        return "truncated-by-move"
-    if isinstance(e, ev.HostAbort):
-        return "transfer-aborted"
-    return None
+        return "moved-to-active"  # an exclusive continuation took the checkpoint's pages
+    if isinstance(e, ev.DeviceDrop):
+        return "demoted-to-host"
+    if isinstance(e, ev.HostDrop):
+        return "host-dropped"
+    if isinstance(e, ev.Recovered):
+        return "restart"
+    return type(e).__name__.lower()
 
 
 def run_events(a: argparse.Namespace, console: Console) -> int:

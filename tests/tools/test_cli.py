@@ -102,12 +102,20 @@ def test_dump_ndjson(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_events_stream(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    from ninfer_kv.tools.journal_cmds import block_hash
+
     assert main(["events", run["journal"], "--json"]) == 0
     items = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     kinds = {i["type"] for i in items}
     assert {"BlockStored", "BlockRemoved"} <= kinds
     assert {i["medium"] for i in items if i["type"] == "BlockStored"} == {"GPU", "CPU"}
     assert all(i["reason"] for i in items if i["type"] == "BlockRemoved")
+    left = balanced(items)  # a router that follows the stream ends with the live checkpoints
+    st = replay(run["journal"]).state
+    want = {(m, block_hash(n, pg.slot, pg.gen)) for n, p in st.pools.items() for pg in p.pages
+            if pg is not None and pg.refs > pg.active_refs
+            for m, on in (("GPU", pg.device != -1), ("CPU", pg.host is not None)) if on}
+    assert set(left) == want
     assert main(["events", run["journal"]]) == 0 and "KV events" in capsys.readouterr().out
 
 
@@ -177,27 +185,52 @@ def test_kv_events_follow_each_medium_of_a_host_only_checkpoint(tmp_path) -> Non
     second time and never from the CPU; a dropped host replica was not reported at all. Every
     block is now removed from each medium it was stored on, once."""
     from ninfer_kv.tools.journal_cmds import kv_events
-    from tests.engine.test_continuation import checkpoint_at, step
+    from tests.engine.test_continuation import checkpoint_at, step, write_tokens
     from tests.engine.test_host_tier import host_store
 
     s = host_store(tmp_path)
-    a, b = checkpoint_at(s, 150), checkpoint_at(s, 100)
+    a, b, c = checkpoint_at(s, 150), checkpoint_at(s, 100), checkpoint_at(s, 100)
     s.offload(a, drop_device=True)     # a: GPU -> CPU only
     s.offload(b)                       # b: on both
+    s.offload(c)
     step(s)
     s.drop_host(b)                     # b: GPU only again
+    # c is continued exclusively (its pages leave the cache), its tail page is written
+    # again, and it is retained and offloaded anew: the stale host replica is replaced
+    c2 = s.activate_from(c, 100, 100, 50, keep_source=False)
+    s.ensure_mapped(c2, "main", 120)
     step(s)
-    s.release(a)
-    s.release(b)
+    write_tokens(s, c2, "main", 100, 120)
+    s.commit(c2, "main", 120)
+    c3 = s.finish(c2, retain=True)
+    step(s)
+    assert c3 is not None and s.offload(c3) >= 1
+    step(s)
+    for ck in (a, b, c3):
+        s.release(ck)
     step(s)
     s.close()
+    items = list(kv_events(str(tmp_path / "persist" / "journal")))
+    assert balanced(items) == {}          # everything stored was removed
+    reasons = {i["reason"] for i in items if i["type"] == "BlockRemoved"}
+    assert {"demoted-to-host", "host-dropped", "moved-to-active", "evicted"} <= reasons
+    assert {i["medium"] for i in items if i["type"] == "BlockRemoved"} == {"GPU", "CPU"}
+
+
+def balanced(items: list[dict]) -> dict[tuple[str, str], int]:
+    """Replay a KV-event stream as a router would; every removal must follow a store of the
+    same block on the same medium, and no block is stored twice. Returns what stays stored."""
     seen: dict[tuple[str, str], int] = {}
-    for item in kv_events(str(tmp_path / "persist" / "journal")):
+    for item in items:
+        if item["type"] == "AllBlocksCleared":
+            seen = {k: v for k, v in seen.items() if k[0] != item["medium"]}
+            continue
         if item["type"] not in ("BlockStored", "BlockRemoved"):
             continue
         for h in item["block_hashes"]:
             key = (item["medium"], h)
             seen[key] = seen.get(key, 0) + (1 if item["type"] == "BlockStored" else -1)
             assert seen[key] in (0, 1), f"{item['type']} of {h} on {item['medium']} twice"
-    assert seen and all(v == 0 for v in seen.values()), seen  # all stored, all removed
-    assert {m for m, _ in seen} == {"GPU", "CPU"}
+            if not seen[key]:
+                del seen[key]
+    return seen
