@@ -39,7 +39,7 @@ from ninfer_kv.dist.wire import receiver, sender
 from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import InvalidArgument
+from ninfer_kv.errors import HostArenaError, InvalidArgument
 from ninfer_kv.kernels.append import append_kv
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 4, 64
@@ -140,7 +140,11 @@ def _lead(store: KVStore, leader: Leader, reqs: list[tuple[int, int]], tp: int,
                     continue
                 ck = store.finish(s, retain=True)
                 assert ck is not None
-                store.offload(ck, drop_device=True)
+                try:
+                    store.offload(ck, drop_device=True)
+                except HostArenaError:  # the arena is full of kept checkpoints: let it go
+                    store.release(ck)
+                    continue
                 if not (keep_every and ck % keep_every == 0):  # else it stays, durable
                     offloaded.append((ck, step))
         step += 1
