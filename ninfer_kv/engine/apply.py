@@ -80,12 +80,14 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     assert len(b) == len(slots) == len(devs), f"Materialize of {e.pool}: lengths differ"
     if not len(b):
         return
-    idx, j = rk.space_index(b, pool.bundle_index)
-    assert j < 0, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
-    assert pool.sp_active[idx].all(), f"Materialize of {e.pool}: into an inactive checkpoint"
-    assert devs.min() >= 0, f"Materialize of {e.pool}: a new page without a page group (§8.1)"
+    idx, code, j, width = rk.materialize_plan(b, devs, pool.bundle_index, pool.sp_active,
+                                              pool.sp_nmem)
+    assert code != rk.NO_SPACE, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
+    assert code != rk.INACTIVE, f"Materialize of {e.pool}: into an inactive checkpoint"
+    assert code != rk.NO_GROUP, \
+        f"Materialize of {e.pool}: a new page without a page group (§8.1)"
     new_pages(pool, slots, devs, b)
-    pool.ensure_members(rk.member_width(idx, pool.sp_nmem))
+    pool.ensure_members(width)
     rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)
 

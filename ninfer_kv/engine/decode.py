@@ -48,6 +48,8 @@ from ninfer_kv.journal.events import pack
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
 
+I64 = np.dtype(np.int64)
+
 
 def lookup(p: PoolState, bundle: int, *, active: bool = False) -> KVAddressSpace:
     """The address space of ``bundle`` in ``p``; with ``active`` it must be an active
@@ -93,9 +95,14 @@ def batch_arrays(p: PoolState, bundles: Sequence[int] | np.ndarray, values: Sequ
                  | np.ndarray, vname: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(bundles, values, space indices ``PoolState.sp_*``) of a batched command over active
     sequences of ``p``, no sequence twice; one compiled pass unless something is refused."""
-    b = as_int_array("seqs", bundles)
-    v = as_int_array(vname, values)
-    same_length(seqs=b, **{vname: v})
+    if (type(bundles) is np.ndarray and type(values) is np.ndarray and bundles.dtype is I64
+            and values.dtype is I64 and bundles.ndim == values.ndim == 1
+            and len(bundles) == len(values)):
+        b, v = bundles, values  # what an engine passes: what as_int_array would return
+    else:
+        b = as_int_array("seqs", bundles)
+        v = as_int_array(vname, values)
+        same_length(seqs=b, **{vname: v})
     idx, code, j = rk.resolve(b, p.bundle_index, p.sp_active)
     if code != rk.OK:
         dup = duplicated(b)
@@ -113,7 +120,10 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     The batch is checked in one compiled pass (engine/round_kernels.py); only sequences that
     need pages (one in P rounds when decoding) are visited in Python."""
     b, t, idx = batch_arrays(p, bundles, tokens, "tokens")
-    total, code, j = rk.plan_mapping(idx, t, p.sp_nmem, p.sp_entitlement, p.logical_pages)
+    fs, fp = p.free_slots, p.free_pages
+    code, j, need_b, grown, firsts, slots, slot_lo, pages, page_lo = rk.map_round(
+        b, idx, t, p.sp_nmem, p.sp_entitlement, p.logical_pages, fs.bits, fs.lo, fs.n,
+        p.n_slots, fp.bits, fp.lo, fp.n)
     if code != rk.OK:
         bj, tj, nj = int(b[j]), int(t[j]), (int(t[j]) + P - 1) // P
         if code == rk.FRONTIER:
@@ -122,12 +132,10 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
         raise EntitlementExceeded(
             f"seq {bj} pool {p.name} needs {nj} pages for {tj} tokens, entitlement is "
             f"{int(p.sp_entitlement[idx[j]])} (§8.1)")
-    if total == 0:
-        return 0
-    need_b, grown, firsts = rk.grow_plan(b, idx, t, p.sp_nmem, total)
     n = len(need_b)
-    slots = p.pick_slot_array(n)
-    pages = p.free_pages.lowest_array(n)
+    if n == 0:
+        return 0
+    fs.lo, fp.lo = slot_lo, page_lo  # the scans' tighter lower bounds (a hint, not state)
     tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
     for bj, first in zip(grown.tolist(), firsts.tolist(), strict=True):
         tx._touch(p.name, bj, first)  # publish from the first new block on

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.free_ids import _lowest
 from ninfer_kv.engine.layout import P
 from ninfer_kv.kernels.jit import njit
 
@@ -133,18 +134,6 @@ def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
         assert 0 <= sp_nmem[i] < sp_members.shape[1]  # a damaged length never writes astray
         sp_members[i, sp_nmem[i]] = slots[j]
         sp_nmem[i] += 1
-
-
-@njit(nogil=True)
-def member_width(idx: np.ndarray, sp_nmem: np.ndarray) -> int:
-    """The membership length the widest space of ``idx`` reaches after ``append_members``."""
-    extra = np.zeros(sp_nmem.shape[0], np.int64)
-    width = 0
-    for j in range(idx.shape[0]):
-        i = idx[j]
-        extra[i] += 1
-        width = max(width, sp_nmem[i] + extra[i])
-    return width
 
 
 @njit(nogil=True)
@@ -325,3 +314,61 @@ def publish_rows(rows: np.ndarray, starts: np.ndarray, idx: np.ndarray, sp_membe
         published[r] = end
         out[j] = hi
     return out
+
+
+@njit(nogil=True)
+def map_round(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
+              sp_entitlement: np.ndarray, logical_pages: int, slot_bits: np.ndarray,
+              slot_lo: int, slot_free: int, n_slots: int, page_bits: np.ndarray, page_lo: int,
+              page_free: int) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray,
+                                       np.ndarray, int, np.ndarray, int]:
+    """``ensure_mapped_many``'s whole plan in one call: ``plan_mapping`` (code, j), then for
+    the ``total`` new pages ``grow_plan`` (the sequence of each, the sequences that grow and
+    their first new block), the slots (lowest free ones, then never-used ones from ``n_slots``,
+    as ``PoolState.pick_slot_array``) and the page groups (lowest free, as
+    ``FreeIds.lowest_array``), with the free lists' new ``lo`` bounds. Reads only."""
+    total, code, j = plan_mapping(idx, tokens, sp_nmem, sp_entitlement, logical_pages)
+    if code != OK:  # grow_plan may only run on a plan that passed: it trusts ``total``
+        none = np.empty(0, np.int64)
+        return code, j, none, none, none, none, slot_lo, none, page_lo
+    need_b, grown, first = grow_plan(bundles, idx, tokens, sp_nmem, total)
+    reuse, slot_lo = _lowest(slot_bits, slot_lo, min(total, slot_free))
+    slots = np.empty(total, np.int64)
+    r = reuse.shape[0]
+    slots[:r] = reuse
+    for k in range(r, total):
+        slots[k] = n_slots + k - r
+    pages, page_lo = _lowest(page_bits, page_lo, min(total, page_free))
+    return code, j, need_b, grown, first, slots, slot_lo, pages, page_lo
+
+
+NO_SPACE, INACTIVE, NO_GROUP = 1, 2, 3
+"""``materialize_plan``'s refusals: a bundle with no space in the pool, a space that is an
+inactive checkpoint's, a new page without a page group (§8.1)."""
+
+
+@njit(nogil=True)
+def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.ndarray,
+                     sp_active: np.ndarray, sp_nmem: np.ndarray
+                     ) -> tuple[np.ndarray, int, int, int]:
+    """``apply(Materialize)``'s checks and sizing in one pass: (space index of each new
+    page's bundle, code, j, the membership width ``append_members`` reaches). ``code`` is
+    ``OK`` or the first refusal (``NO_SPACE``, ``INACTIVE``, ``NO_GROUP``) at element ``j``;
+    a bundle may repeat (one sequence, several new pages)."""
+    n = bundles.shape[0]
+    idx = np.empty(n, np.int64)
+    extra = np.zeros(sp_nmem.shape[0], np.int64)
+    width = 0
+    for j in range(n):
+        b = bundles[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if i < 0:
+            return idx, NO_SPACE, j, 0
+        if not sp_active[i]:
+            return idx, INACTIVE, j, 0
+        if devs[j] < 0:
+            return idx, NO_GROUP, j, 0
+        idx[j] = i
+        extra[i] += 1
+        width = max(width, sp_nmem[i] + extra[i])
+    return idx, OK, -1, width

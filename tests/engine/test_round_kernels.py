@@ -81,6 +81,24 @@ def test_plan_mapping_matches_oracle(rows, logical_pages):
     assert (code, j) == want
     if code == rk.OK:
         assert total == want_total
+    # map_round: the same verdict, and on a passing plan the new pages, in batch order
+    bundles = np.arange(100, 100 + len(rows), dtype=I64)
+    free = np.zeros(8, np.bool_)
+    free[[1, 4, 5]] = True
+    groups = np.ones(64, np.bool_)
+    code2, j2, need_b, grown, firsts, slots, _, pages, _ = rk.map_round(
+        bundles, idx, tokens, nmem, ent, logical_pages, free, 0, 3, 8, groups, 0, 64)
+    assert (code2, j2) == want
+    if code != rk.OK:
+        assert len(need_b) == len(grown) == len(slots) == len(pages) == 0
+        return
+    grow = [(100 + k, int(nmem[k]), -(-t // P)) for k, t in enumerate(tokens.tolist())
+            if -(-t // P) > nmem[k]]
+    assert need_b.tolist() == [b for b, have, need in grow for _ in range(need - have)]
+    assert grown.tolist() == [b for b, _, _ in grow]
+    assert firsts.tolist() == [have for _, have, _ in grow]
+    assert slots.tolist() == ([1, 4, 5] + list(range(8, 8 + total)))[:total]
+    assert pages.tolist() == list(range(min(total, 64)))
 
 
 @st.composite
@@ -191,3 +209,28 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
                           np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg,
                           np.ones(2, np.bool_))
     assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools(), st.lists(st.tuples(st.integers(-2, 12), st.integers(-1, 3)), max_size=8),
+       st.lists(st.integers(0, 5), min_size=6, max_size=6))
+def test_materialize_plan_matches_oracle(pool, pages, nmem):
+    """apply(Materialize)'s checks: every bundle has a space, an active one, and every new
+    page a page group; the width is the longest membership after the appends."""
+    bundle_index, sp_active = pool
+    sp_nmem = np.array(nmem[:len(sp_active)], I64)
+    b = np.array([x for x, _ in pages], I64)
+    devs = np.array([d for _, d in pages], I64)
+    idx, code, j, width = rk.materialize_plan(b, devs, bundle_index, sp_active, sp_nmem)
+    want, grown = (rk.OK, -1), sp_nmem.copy()
+    for k, (x, d) in enumerate(pages):
+        i = bundle_index[x] if 0 <= x < len(bundle_index) else -1
+        if i < 0 or not sp_active[i] or d < 0:
+            want = (rk.NO_SPACE if i < 0 else rk.INACTIVE if not sp_active[i] else rk.NO_GROUP,
+                    k)
+            break
+        grown[i] += 1
+    assert (code, j) == want
+    if code == rk.OK:
+        assert idx.tolist() == [int(bundle_index[x]) for x, _ in pages]
+        assert width == max([int(grown[i]) for i in idx.tolist()], default=0)
