@@ -46,10 +46,17 @@ metadata and which host replicas they have. Every other event touches only activ
 reopen aborts, or device state, which never survives (README, "Durability contract")."""
 
 
+_SURVIVAL_TYPES = frozenset(SURVIVAL_EVENTS)  # event structs are final: no subclasses
+
+
 def changes_what_survives(events: list[Any]) -> bool:
-    """Whether a record must be fsynced under ``sync="commit"``."""
-    return any(isinstance(e, SURVIVAL_EVENTS) and not (isinstance(e, ev.Finish) and not e.retain)
-               for e in events)
+    """Whether a record must be fsynced under ``sync="commit"``: it holds a
+    ``SURVIVAL_EVENTS`` event other than a ``Finish`` that retains nothing."""
+    for e in events:
+        t = type(e)
+        if t in _SURVIVAL_TYPES and (t is not ev.Finish or e.retain):
+            return True
+    return False
 
 
 class StoreCore:
@@ -275,21 +282,17 @@ class StoreCore:
     def _publish_tables(self) -> None:
         """The block-table slices of every touched active space, from its first changed block
         on (unmapping what an earlier write mapped after it): one compiled pass per pool."""
-        todo: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        todo: dict[str, list[tuple[int, int, int]]] = {}
+        pools = self.state.pools
         for (pool, bundle), start in self._touched.items():
-            sp = self.state.pools[pool].spaces.get(bundle)
-            if sp is None or not sp.active:
-                continue
-            rows, starts, idx = todo.setdefault(pool, ([], [], []))
-            rows.append(sp.row)
-            starts.append(start)
-            idx.append(sp.i)
+            sp = pools[pool].spaces.get(bundle)
+            if sp is not None and sp.active:
+                todo.setdefault(pool, []).append((sp.row, start, sp.i))
         self._touched.clear()
-        for pool, (rows, starts, idx) in todo.items():
-            p = self.state.pools[pool]
-            self.device.write_rows(pool, np.array(rows, np.int64), np.array(starts, np.int64),
-                                   np.array(idx, np.int64), p.sp_members, p.sp_nmem,
-                                   p.pg_device)
+        for pool, entries in todo.items():
+            p = pools[pool]
+            rows, starts, idx = np.array(entries, np.int64).T.copy()
+            self.device.write_rows(pool, rows, starts, idx, p.sp_members, p.sp_nmem, p.pg_device)
 
     # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
     def close_boundary(self) -> int:
