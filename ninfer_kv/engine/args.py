@@ -43,10 +43,15 @@ def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise InvalidArgument(f"{name}={values!r}: want a sequence of integers")
     out = list(values)
+    if set(map(type, out)) <= _PLAIN:  # the hot path: plain ints only, one C-level pass
+        return out
     for i, v in enumerate(out):
-        if type(v) is not int:  # the hot path passes plain ints and pays one check each
+        if type(v) is not int:
             out[i] = as_int(f"{name}[{i}]", v)
     return out
+
+
+_PLAIN = frozenset((int,))  # ``type(True) is bool``: bools take the checked path and are refused
 
 
 def as_int_array(name: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
@@ -57,7 +62,7 @@ def as_int_array(name: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
         return values.astype(np.int64, copy=False)
     ints = as_ints(name, values)
     try:
-        return np.array(ints, dtype=np.int64)
+        return np.fromiter(ints, np.int64, len(ints))
     except OverflowError:
         big = next(v for v in ints if not -(1 << 63) <= v < (1 << 63))
         raise InvalidArgument(f"{name}: {big} does not fit in 64 bits") from None

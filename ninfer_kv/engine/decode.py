@@ -91,26 +91,28 @@ def why_not_writable(p: PoolState, bundle: int, block: int) -> str:
             f"{pg.epoch}: only the single private writer may write (§9.4)")
 
 
-def batch_arrays(p: PoolState, bundles: Sequence[int] | np.ndarray, values: Sequence[int]
-                 | np.ndarray, vname: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bundles, values, space indices ``PoolState.sp_*``) of a batched command over active
-    sequences of ``p``, no sequence twice; one compiled pass unless something is refused."""
+def batch_arrays(bundles: Sequence[int] | np.ndarray, values: Sequence[int] | np.ndarray,
+                 vname: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bundles, values) of a batched command as equal-length int64 arrays; the kernels of
+    ``map_round`` / ``commit_round`` then resolve them (``refuse_resolve`` words a refusal)."""
     if (type(bundles) is np.ndarray and type(values) is np.ndarray and bundles.dtype is I64
             and values.dtype is I64 and bundles.ndim == values.ndim == 1
             and len(bundles) == len(values)):
-        b, v = bundles, values  # what an engine passes: what as_int_array would return
-    else:
-        b = as_int_array("seqs", bundles)
-        v = as_int_array(vname, values)
-        same_length(seqs=b, **{vname: v})
-    idx, code, j = rk.resolve(b, p.bundle_index, p.sp_active)
-    if code != rk.OK:
-        dup = duplicated(b)
-        if dup:
-            raise InvalidArgument(f"seqs: {dup} appear more than once in one batched command")
-        lookup(p, int(b[j]), active=True)  # raises the precise error
-        raise AssertionError(f"unreachable: resolve refused seq {int(b[j])} (code {code})")
-    return b, v, idx
+        return bundles, values  # what an engine passes: what as_int_array would return
+    b = as_int_array("seqs", bundles)
+    v = as_int_array(vname, values)
+    same_length(seqs=b, **{vname: v})
+    return b, v
+
+
+def refuse_resolve(p: PoolState, b: np.ndarray, code: int, j: int) -> None:
+    """Raise the typed error for ``rk.resolve``'s refusal of ``b[j]``: a sequence twice in
+    the batch, or one that is not an active sequence of ``p``."""
+    dup = duplicated(b)
+    if dup:
+        raise InvalidArgument(f"seqs: {dup} appear more than once in one batched command")
+    lookup(p, int(b[j]), active=True)  # raises the precise error
+    raise AssertionError(f"unreachable: resolve refused seq {int(b[j])} (code {code})")
 
 
 # --- 1. mapping (§8.1) ------------------------------------------------------------------------
@@ -119,11 +121,13 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     """``ensure_mapped_to_tokens`` for a batch: a lower bound. Returns the pages materialized.
     The batch is checked in one compiled pass (engine/round_kernels.py); only sequences that
     need pages (one in P rounds when decoding) are visited in Python."""
-    b, t, idx = batch_arrays(p, bundles, tokens, "tokens")
+    b, t = batch_arrays(bundles, tokens, "tokens")
     fs, fp = p.free_slots, p.free_pages
-    code, j, need_b, grown, firsts, slots, slot_lo, pages, page_lo = rk.map_round(
-        b, idx, t, p.sp_nmem, p.sp_entitlement, p.logical_pages, fs.bits, fs.lo, fs.n,
-        p.n_slots, fp.bits, fp.lo, fp.n)
+    code, j, idx, need_b, grown, firsts, slots, slot_lo, pages, page_lo = rk.map_round(
+        b, p.bundle_index, p.sp_active, t, p.sp_nmem, p.sp_entitlement, p.logical_pages,
+        fs.bits, fs.lo, fs.n, p.n_slots, fp.bits, fp.lo, fp.n)
+    if code in (rk.UNKNOWN, rk.DUPLICATE):
+        refuse_resolve(p, b, code, j)
     if code != rk.OK:
         bj, tj, nj = int(b[j]), int(t[j]), (int(t[j]) + P - 1) // P
         if code == rk.FRONTIER:
@@ -151,11 +155,14 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     Checked in one compiled pass (engine/round_kernels.py): every frontier within
     [committed, membership], and §9.4 write permission of every block the new columns land
     in (one block when decoding, several after a prefill)."""
-    b, f, idx = batch_arrays(p, bundles, frontiers, "frontiers")
+    b, f = batch_arrays(bundles, frontiers, "frontiers")
     if not len(b):
         return
-    code, j, blk = rk.check_commit(b, idx, f, p.sp_committed, p.sp_nmem, p.sp_members,
-                                   p.pg_writer, p.pg_pins, p.pg_protected)
+    code, j, blk, idx = rk.commit_round(b, p.bundle_index, p.sp_active, f, p.sp_committed,
+                                        p.sp_nmem, p.sp_members, p.pg_writer, p.pg_pins,
+                                        p.pg_protected)
+    if code in (rk.UNKNOWN, rk.DUPLICATE):
+        refuse_resolve(p, b, code, j)
     if code == rk.FRONTIER:
         old, limit = int(p.sp_committed[idx[j]]), int(p.sp_nmem[idx[j]]) * P
         raise FrontierError(

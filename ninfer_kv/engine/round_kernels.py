@@ -317,20 +317,26 @@ def publish_rows(rows: np.ndarray, starts: np.ndarray, idx: np.ndarray, sp_membe
 
 
 @njit(nogil=True)
-def map_round(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
-              sp_entitlement: np.ndarray, logical_pages: int, slot_bits: np.ndarray,
-              slot_lo: int, slot_free: int, n_slots: int, page_bits: np.ndarray, page_lo: int,
-              page_free: int) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray,
-                                       np.ndarray, int, np.ndarray, int]:
-    """``ensure_mapped_many``'s whole plan in one call: ``plan_mapping`` (code, j), then for
-    the ``total`` new pages ``grow_plan`` (the sequence of each, the sequences that grow and
-    their first new block), the slots (lowest free ones, then never-used ones from ``n_slots``,
-    as ``PoolState.pick_slot_array``) and the page groups (lowest free, as
-    ``FreeIds.lowest_array``), with the free lists' new ``lo`` bounds. Reads only."""
+def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
+              tokens: np.ndarray, sp_nmem: np.ndarray, sp_entitlement: np.ndarray,
+              logical_pages: int, slot_bits: np.ndarray, slot_lo: int, slot_free: int,
+              n_slots: int, page_bits: np.ndarray, page_lo: int, page_free: int
+              ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                         int, np.ndarray, int]:
+    """``ensure_mapped_many``'s whole plan in one call: ``resolve`` and ``plan_mapping``
+    (code, j), then for the ``total`` new pages ``grow_plan`` (the sequence of each, the
+    sequences that grow and their first new block), the slots (lowest free ones, then
+    never-used ones from ``n_slots``, as ``PoolState.pick_slot_array``) and the page groups
+    (lowest free, as ``FreeIds.lowest_array``), with the free lists' new ``lo`` bounds.
+    Returns (code, j, idx, need_b, grown, first, slots, slot_lo, pages, page_lo). Reads
+    only."""
+    none = np.empty(0, np.int64)
+    idx, code, j = resolve(bundles, bundle_index, sp_active)
+    if code != OK:
+        return code, j, idx, none, none, none, none, slot_lo, none, page_lo
     total, code, j = plan_mapping(idx, tokens, sp_nmem, sp_entitlement, logical_pages)
     if code != OK:  # grow_plan may only run on a plan that passed: it trusts ``total``
-        none = np.empty(0, np.int64)
-        return code, j, none, none, none, none, slot_lo, none, page_lo
+        return code, j, idx, none, none, none, none, slot_lo, none, page_lo
     need_b, grown, first = grow_plan(bundles, idx, tokens, sp_nmem, total)
     reuse, slot_lo = _lowest(slot_bits, slot_lo, min(total, slot_free))
     slots = np.empty(total, np.int64)
@@ -339,7 +345,7 @@ def map_round(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem:
     for k in range(r, total):
         slots[k] = n_slots + k - r
     pages, page_lo = _lowest(page_bits, page_lo, min(total, page_free))
-    return code, j, need_b, grown, first, slots, slot_lo, pages, page_lo
+    return code, j, idx, need_b, grown, first, slots, slot_lo, pages, page_lo
 
 
 NO_SPACE, INACTIVE, NO_GROUP = 1, 2, 3
@@ -372,3 +378,18 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
         extra[i] += 1
         width = max(width, sp_nmem[i] + extra[i])
     return idx, OK, -1, width
+
+
+@njit(nogil=True)
+def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
+                 frontiers: np.ndarray, sp_committed: np.ndarray, sp_nmem: np.ndarray,
+                 sp_members: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
+                 pg_protected: np.ndarray) -> tuple[int, int, int, np.ndarray]:
+    """``commit_many``'s checks in one call: ``resolve`` then ``check_commit``. Returns
+    (code, j, block, idx). Reads only."""
+    idx, code, j = resolve(bundles, bundle_index, sp_active)
+    if code != OK:
+        return code, j, -1, idx
+    code, j, blk = check_commit(bundles, idx, frontiers, sp_committed, sp_nmem, sp_members,
+                                pg_writer, pg_pins, pg_protected)
+    return code, j, blk, idx

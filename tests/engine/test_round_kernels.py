@@ -86,8 +86,13 @@ def test_plan_mapping_matches_oracle(rows, logical_pages):
     free = np.zeros(8, np.bool_)
     free[[1, 4, 5]] = True
     groups = np.ones(64, np.bool_)
-    code2, j2, need_b, grown, firsts, slots, _, pages, _ = rk.map_round(
-        bundles, idx, tokens, nmem, ent, logical_pages, free, 0, 3, 8, groups, 0, 64)
+    bundle_index = np.full(100 + len(rows), -1, I64)
+    bundle_index[bundles] = idx
+    active = np.ones(len(rows), np.bool_)
+    code2, j2, idx2, need_b, grown, firsts, slots, _, pages, _ = rk.map_round(
+        bundles, bundle_index, active, tokens, nmem, ent, logical_pages, free, 0, 3, 8,
+        groups, 0, 64)
+    assert idx2.tolist() == idx.tolist()
     assert (code2, j2) == want
     if code != rk.OK:
         assert len(need_b) == len(grown) == len(slots) == len(pages) == 0
@@ -147,6 +152,17 @@ def oracle_check_commit(bundles, idx, frontiers, committed, nmem, members, write
 def test_check_commit_matches_oracle(args):
     got = rk.check_commit(*args)
     assert tuple(int(x) for x in got) == oracle_check_commit(*args)
+    # commit_round: resolve (bundle -> space) first, then the same verdict
+    bundles, idx, *rest = args
+    bundle_index = np.full(int(bundles.max()) + 2, -1, I64)
+    bundle_index[bundles] = idx
+    active = np.ones(len(idx), np.bool_)
+    code, j, blk, idx2 = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    assert (int(code), int(j), int(blk)) == oracle_check_commit(*args)
+    assert idx2.tolist() == idx.tolist()
+    active[idx[-1]] = False  # an inactive checkpoint is refused before any frontier rule
+    code, j, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    assert (code, j) == oracle_resolve(bundles.tolist(), bundle_index, active)
 
 
 @settings(max_examples=300, deadline=None)
