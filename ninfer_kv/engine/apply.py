@@ -17,7 +17,7 @@ from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_page, new_pages, unref
+from ninfer_kv.engine.page_life import I64, members_of, new_pages, unref
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -239,14 +239,12 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
         f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
     assert 0 <= e.full_pages <= src.nmem, \
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
-    shared = pool.sp_members[src.i, :e.full_pages].astype(I64)
-    assert pool.pg_live[shared].all(), f"Fork of {e.src}: a dead page in its membership"
-    pool.pg_refs[shared] += 1    # a membership holds a slot once: no repeated index
-    pool.pg_active[shared] += 1
-    dst.members = shared
+    forked = rk.fork_pages(src.i, dst.i, e.full_pages, pool.sp_members, pool.sp_nmem,
+                           pool.pg_live, pool.pg_refs, pool.pg_active)
+    assert forked, f"Fork of {e.src}: a dead page in its membership"
     dst.committed = dst.provisional = e.full_pages * P
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
-    pool.reserved -= len(shared) - dst.incoming
+    pool.reserved -= e.full_pages - dst.incoming
     dst.incoming = 0
     st.bundles[e.dst].parent = e.src
 
@@ -310,8 +308,8 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     assert st.pools[e.pool].spaces[e.dst].active, f"CopyTail into {e.dst}: not an active space"
     pool = st.pools[e.pool]
     dst = pool.spaces[e.dst]
-    page = new_page(pool, e.slot, e.page, e.dst)
-    page.committed = e.columns
+    new_pages(pool, np.array([e.slot], I64), np.array([e.page], I64), np.array([e.dst], I64))
+    pool.pg_committed[e.slot] = e.columns
     dst.append_member(e.slot)
     dst.committed = dst.provisional = (dst.nmem - 1) * P + e.columns
     pool.reserved -= 1

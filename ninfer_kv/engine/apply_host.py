@@ -133,11 +133,10 @@ def device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
 def pin(st: StoreState, e: ev.Pin) -> None:
     pool = st.pools[e.pool]
     sl = unpack(e.slots).tolist()
-    _live(pool, sl, "Pin")
+    _live(pool, sl, "Pin")  # every slot a live page: its pin count is its page's
+    pins = pool.pg_pins
     for slot in sl:
-        page = pool.pages[slot]
-        assert page is not None, f"pin of dead slot {e.pool}:{slot}"
-        page.pins += 1
+        pins[slot] += 1
         key = (e.pool, slot)
         st.copy_pins[key] = st.copy_pins.get(key, 0) + 1
 

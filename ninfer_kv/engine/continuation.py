@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
+from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.args import as_int, one_of
 from ninfer_kv.engine.layout import P, ceil_div
-from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import (
     CapacityExhausted,
@@ -118,9 +118,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         tail = not move and f % P != 0
         # pages this activation needs on the device: the held prefix and, for a Fork at a
         # mid-page frontier, the COW source tail — block f // P, right after the prefix
-        needed = mem[:held + tail]
-        dev = p.pg_device[needed]
-        missing = needed[dev == NO_PAGE].tolist() if len(dev) and dev.min() < 0 else []
+        missing = rk.without_device(mem[:held + tail], p.pg_device).tolist()
         need = pl["entitlement"] - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "

@@ -393,3 +393,34 @@ def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.nd
     code, j, blk = check_commit(bundles, idx, frontiers, sp_committed, sp_nmem, sp_members,
                                 pg_writer, pg_pins, pg_protected)
     return code, j, blk, idx
+
+
+@njit(nogil=True)
+def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_members: np.ndarray,
+               sp_nmem: np.ndarray, pg_live: np.ndarray, pg_refs: np.ndarray,
+               pg_active: np.ndarray) -> bool:
+    """``apply(Fork)``'s page half (§9.2): the first ``full_pages`` blocks of space ``src_i``
+    become space ``dst_i``'s (active) membership, each page gaining a reference. False, and
+    nothing changed, when one of them is not a live page (a damaged journal)."""
+    for k in range(full_pages):
+        if not pg_live[sp_members[src_i, k]]:
+            return False
+    for k in range(full_pages):
+        s = sp_members[src_i, k]
+        pg_refs[s] += 1       # a membership holds a slot once: no repeated index
+        pg_active[s] += 1
+        sp_members[dst_i, k] = s
+    sp_nmem[dst_i] = full_pages
+    return True
+
+
+@njit(nogil=True)
+def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
+    """The slots of ``slots`` whose page has no device replica (Host-only, §5.1), in order."""
+    out = np.empty(slots.shape[0], np.int64)
+    k = 0
+    for j in range(slots.shape[0]):
+        if pg_device[slots[j]] < 0:
+            out[k] = slots[j]
+            k += 1
+    return out[:k]
