@@ -217,15 +217,10 @@ EQUIVALENT: dict[str, str] = {
         "the whole-event check above refused dead slots, repeats and pages not on both tiers",
     'engine/apply_host.py:device_restore:assert:"page is not None and page.device == NO_PAGE"':
         "the whole-event check above refused dead slots, repeats and pages on the device",
-    'engine/apply_host.py:pin:assert:"pin of dead slot {}:{}"':
-        "_live() above refused every dead slot of the event",
     'engine/apply_host.py:unpin:assert:"page is not None"':
         "a pinned page stays live (collect skips pinned pages); the count check refused the rest",
     'engine/apply_host.py:host_reserve:assert:"HostReserve at {}: one is pending"':
         "the pending transfer's extent is live: the allocator refuses it and the event is undone",
-    'engine/apply.py:_materialize:assert:"Materialize for seq {}, which has no space in {}"':
-        "the inactive-space check after it reads sp_active[-1] for a missing space, inactive "
-        "in every test world; kept: with full space arrays that read would hit a live space",
     'engine/apply.py:_commit:assert:"CommitFrontiers of {}: {} seqs, {} frontiers"':
         "without it apply_commit reads past the frontiers array (numba does not bounds-check): "
         "undefined behaviour no test can observe deterministically",
