@@ -163,7 +163,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     sp = pool.spaces[e.bundle]
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
     del pool.row_owner[sp.row]
-    pool.free_rows.give([sp.row])
+    pool.free_rows.add(sp.row)
     sp.row = NO_ROW
     sp.active = False
     sp.entitlement = 0
@@ -172,12 +172,10 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle.finish_reason = e.reason
     slots = members_of(pool, sp)
     if e.retain:
-        np.subtract.at(pool.pg_active, slots, 1)
-        pool.pg_writer[slots[pool.pg_writer[slots] == e.bundle]] = NO_PAGE
+        rk.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
+                        pool.pg_protected)  # protected coverage only grows
         sp.protected = sp.committed
         sp.provisional = 0
-        cols = np.minimum(P, sp.committed - P * np.arange(len(slots), dtype=I64))
-        np.maximum.at(pool.pg_protected, slots, cols)  # coverage only grows
     else:
         unref(st, pool, slots, e.bundle, True)
         _drop_space(st, pool, e.bundle)

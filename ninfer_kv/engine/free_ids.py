@@ -132,7 +132,13 @@ class FreeIds:
         return ids
 
     def add(self, i: int) -> None:
-        self.give([i])
+        """``give([i])`` for one id, without the array round trip."""
+        if not (0 <= i < len(self.bits)) or self.bits[i]:
+            self.give([i])  # raises the ValueError that names the rule
+        self.bits[i] = True
+        self.n += 1
+        if i < self.lo:
+            self.lo = i
 
     def remove(self, i: int) -> None:
         """``take([i])`` for one id, without the array round trip."""

@@ -424,3 +424,20 @@ def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
             out[k] = slots[j]
             k += 1
     return out[:k]
+
+
+@njit(nogil=True)
+def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_active: np.ndarray,
+                 pg_writer: np.ndarray, pg_protected: np.ndarray) -> None:
+    """``apply(Finish(retain))``'s page half (§7.2, §9.4): block ``k`` of the finished
+    sequence (slot ``slots[k]``) loses its active reference and ``bundle``'s writer right,
+    and its protected coverage grows to the committed columns of that block. A slot listed
+    twice is counted twice (as ``np.subtract.at`` / ``np.maximum.at``)."""
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        pg_active[s] -= 1
+        if pg_writer[s] == bundle:
+            pg_writer[s] = -1
+        cols = min(P, committed - P * k)
+        if cols > pg_protected[s]:
+            pg_protected[s] = cols

@@ -55,6 +55,18 @@ class FreeIdsMachine(RuleBasedStateMachine):
                 self.f.remove(i)
             assert list(self.f) == before
 
+    @rule(i=st.integers(-2, 45))
+    def add(self, i: int) -> None:
+        """``add`` (one id, the fast path Finish's row release takes)."""
+        if 0 <= i < self.size and i not in self.model:
+            self.f.add(i)
+            self.model.add(i)
+        else:
+            before = list(self.f)
+            with pytest.raises(ValueError):
+                self.f.add(i)
+            assert list(self.f) == before
+
     @rule(n=st.integers(0, 50))
     def lowest(self, n: int) -> None:
         assert self.f.lowest(n) == sorted(self.model)[:n]

@@ -250,3 +250,22 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
     if code == rk.OK:
         assert idx.tolist() == [int(bundle_index[x]) for x, _ in pages]
         assert width == max([int(grown[i]) for i in idx.tolist()], default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 7), max_size=10), st.integers(0, 12 * P), st.integers(3, 5),
+       st.lists(st.integers(-1, P), min_size=8, max_size=8),
+       st.lists(st.integers(2, 6), min_size=8, max_size=8))
+def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers):
+    """Finish(retain)'s page half against the numpy form it replaced (repeated slots count
+    twice; blocks past the committed frontier keep their coverage)."""
+    s = np.array(slots, I64)
+    active, writer, prot = np.full(8, 9, I64), np.array(writers, I64), np.array(protected, I64)
+    want_active, want_writer, want_prot = active.copy(), writer.copy(), prot.copy()
+    np.subtract.at(want_active, s, 1)
+    want_writer[s[want_writer[s] == bundle]] = -1
+    np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
+    rk.retain_pages(s, bundle, committed, active, writer, prot)
+    assert active.tolist() == want_active.tolist()
+    assert writer.tolist() == want_writer.tolist()
+    assert prot.tolist() == want_prot.tolist()
