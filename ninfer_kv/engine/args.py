@@ -68,6 +68,16 @@ def as_int_array(name: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
         raise InvalidArgument(f"{name}: {big} does not fit in 64 bits") from None
 
 
+def one_pair(bname: str, bundle: Any, vname: str, value: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A one-sequence command as the batched form's int64 arrays (``as_int`` each, refused by
+    name outside 64 bits): what ``as_int_array`` makes of ``[bundle]`` and ``[value]``."""
+    b, v = as_int(bname, bundle), as_int(vname, value)
+    for name, x in ((bname, b), (vname, v)):
+        if not -(1 << 63) <= x < (1 << 63):
+            raise InvalidArgument(f"{name}: {x} does not fit in 64 bits")
+    return np.array([b], np.int64), np.array([v], np.int64)
+
+
 def duplicated(values: np.ndarray) -> list[int]:
     """The values that appear more than once in ``values`` (sorted; empty when none)."""
     if len(values) < 2:

@@ -26,7 +26,7 @@ import torch
 
 from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_int, as_ints
+from ninfer_kv.engine.args import as_int, as_ints, one_pair
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
 from ninfer_kv.engine.device import UNMAPPED
@@ -152,7 +152,7 @@ class KVStore(StoreCore):
     # --- mapping (§8.1) -------------------------------------------------------------------------
     def ensure_mapped(self, bundle: int, pool: str | PoolKind, tokens: int) -> int:
         """``ensure_mapped_to_tokens``: a lower bound. Returns the pages materialized."""
-        return self.ensure_mapped_many(pool, [as_int("seq", bundle)], [as_int("tokens", tokens)])
+        return self.ensure_mapped_many(pool, *one_pair("seq", bundle, "tokens", tokens))
 
     def ensure_mapped_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                            tokens: Sequence[int] | np.ndarray) -> int:
@@ -162,7 +162,7 @@ class KVStore(StoreCore):
 
     # --- frontiers (§8.1, §8.2) ------------------------------------------------------------------
     def commit(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        self.commit_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
+        self.commit_many(pool, *one_pair("seq", bundle, "frontier", frontier))
 
     def commit_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                     frontiers: Sequence[int] | np.ndarray) -> None:
