@@ -1,0 +1,32 @@
+"""``python -O`` strips the ``assert`` statements ``apply`` guards every journaled event with,
+and the compiled kernels behind them do not bounds-check: under ``-O`` a damaged Materialize
+was applied with uninitialised space indices and a Pin of slot -1 wrapped to the last page
+(found in review). The engine refuses to load instead of running without its checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_the_engine_refuses_to_load_without_assertions(how: str) -> None:
+    env = dict(os.environ)
+    args = [sys.executable]
+    if how == "flag":
+        args.append("-O")
+    else:
+        env["PYTHONOPTIMIZE"] = "1"
+    res = subprocess.run([*args, "-c", "import ninfer_kv.engine.apply"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "needs its assertions" in res.stderr
+
+
+def test_with_assertions_it_loads() -> None:
+    res = subprocess.run([sys.executable, "-c", "import ninfer_kv.engine.apply"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
