@@ -16,16 +16,21 @@ import numpy as np
 
 from ninfer_kv.errors import InvalidArgument
 
+_BOOLS = (bool, np.bool_)
+
 
 def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
     """``operator.index(value)`` checked against ``[lo, hi]``."""
-    if isinstance(value, bool | np.bool_):
-        raise InvalidArgument(f"{name}={value!r}: a bool is not an integer")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise InvalidArgument(f"{name}={value!r} ({type(value).__name__}) is not an integer"
-                              ) from None
+    if type(value) is int:  # the common case (``type(True) is bool``, so no bool passes here)
+        v = value
+    else:
+        if isinstance(value, _BOOLS):
+            raise InvalidArgument(f"{name}={value!r}: a bool is not an integer")
+        try:
+            v = operator.index(value)
+        except TypeError:
+            raise InvalidArgument(f"{name}={value!r} ({type(value).__name__}) is not an "
+                                  "integer") from None
     if lo is not None and v < lo:
         raise InvalidArgument(f"{name}={v} must be >= {lo}")
     if hi is not None and v > hi:

@@ -43,6 +43,8 @@ from ninfer_kv.journal import events as ev
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
 
+_EFFECTS = (ev.CopyTail, ev.DeviceRestore)
+
 STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
 """The eight activation steps of spec §7.3, in order (fault-injection labels)."""
 
@@ -194,9 +196,9 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                       if not pl["move"])
     store._emit(*events)
     for e in events:
-        if isinstance(e, ev.CopyTail | ev.DeviceRestore):
+        if type(e) in _EFFECTS:  # device copies the boundary runs, in emission order
             store._effects.append(e)
-            store.stats["cow_copies"] += isinstance(e, ev.CopyTail)
+            store.stats["cow_copies"] += type(e) is ev.CopyTail
     for pool in plans:
         store._touch(pool, dst, 0)
     return dst

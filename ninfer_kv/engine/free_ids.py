@@ -21,6 +21,8 @@ import numpy as np
 
 from ninfer_kv.kernels.jit import njit
 
+_INTS = (int, np.integer)
+
 
 @njit(nogil=True)
 def _lowest(bits: np.ndarray, lo: int, n: int) -> tuple[np.ndarray, int]:
@@ -74,7 +76,7 @@ class FreeIds:
         return self.n > 0
 
     def __contains__(self, i: object) -> bool:
-        return isinstance(i, int | np.integer) and 0 <= i < len(self.bits) and bool(self.bits[i])
+        return isinstance(i, _INTS) and 0 <= i < len(self.bits) and bool(self.bits[i])
 
     def __iter__(self) -> Iterator[int]:
         return iter(np.flatnonzero(self.bits).tolist())
