@@ -217,9 +217,11 @@ def copy_out(store: Txn, tr: Transfer) -> tuple[list[int], list[int], list[int]]
     start = 0
     for i in range(1, len(tr.offsets) + 1):
         if i == len(tr.offsets) or tr.offsets[i] != tr.offsets[i - 1] + pb:
+            dst = arena.pages(tr.offsets[start], i - start, pb)
             if planes:
-                pack_pages(planes, order, dev_ids[start:i],
-                           arena.pages(tr.offsets[start], i - start, pb))
+                pack_pages(planes, order, dev_ids[start:i], dst)
+            else:  # a store without KV planes holds no bytes: its replicas are zeros, never
+                dst.zero_()  # what the arena held before (a CRC of that made runs differ)
             start = i
     store.stats["d2h_pages"] += len(dev_ids)
     store.stats["d2h_runs"] += runs(dev_ids)

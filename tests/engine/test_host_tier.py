@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from ninfer_kv.engine.capacity import Backend
+from ninfer_kv.engine.host import page_checksum
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import HostArenaError
 from ninfer_kv.journal.events import DeviceDrop, HostPublish, HostReserve, unpack
@@ -214,4 +216,25 @@ def test_offload_with_drop_after_a_plain_offload_drops_when_the_copy_publishes(
     assert all(main.pages[x].device == -1 and main.pages[x].host is not None
                for x in s.space(ck).members)
     s.check_invariants()
+    s.close()
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xAB])
+def test_a_store_without_planes_offloads_zeros_not_what_the_arena_held(fill: int) -> None:
+    """A control-plane-only store (``allocate_planes=False``) has no KV bytes: its host
+    replicas are zeros. The copy used to leave the arena's bytes as they were and checksum
+    them, so the same commands journaled different CRCs (and reached different digests)
+    depending on what memory the arena got (found by the pinned-digest test)."""
+    s = KVStore.open(small_config(None, pages=80, host_bytes=8 << 20, allocate_planes=False))
+    s.arena.data.fill_(fill)  # type: ignore[union-attr]  # stale bytes from an earlier life
+    ck = checkpoint_at(s, 1000)
+    s.offload(ck)
+    step(s)
+    main = s.state.pools["main"]
+    pb = next(spec.page_bytes for spec in s.state.pool_specs if spec.name == "main")
+    zeros = page_checksum(np.zeros(pb, np.uint8))
+    for slot in s.space(ck).members:
+        off, _, _, crc = main.host_of[slot]
+        assert crc == zeros
+        assert s.arena.data[off:off + pb].count_nonzero() == 0  # type: ignore[union-attr]
     s.close()
