@@ -20,6 +20,7 @@ import numpy as np
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.host_arena import ExtentAllocator
+from ninfer_kv.engine.msgpack_rows import encode_rows
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal.events import PoolSpec
@@ -82,10 +83,10 @@ def _canonical(obj: Any) -> Any:
     return obj
 
 
-def page_tuples(p: PoolState) -> list[list[int]]:
-    """``LogicalKVPage.as_tuple()`` of every live page of ``p`` in slot order (as lists: the
-    same msgpack), built from the arrays: a snapshot and the digest cost a few array passes,
-    not one view per page."""
+def page_table(p: PoolState) -> np.ndarray:
+    """``LogicalKVPage.as_tuple()`` of every live page of ``p`` in slot order, as the rows of
+    one int64 array built from the pool's arrays (a snapshot and the digest cost a few array
+    passes, not one view per page)."""
     live = np.flatnonzero(p.pg_live[:p.n_slots])
     host = np.tile(np.array([NO_PAGE, 0, 0, 0], np.int64), (len(live), 1))
     held = np.array(sorted(s for s in p.host_of if s < p.n_slots and p.pg_live[s]), np.int64)
@@ -94,23 +95,30 @@ def page_tuples(p: PoolState) -> list[list[int]]:
     cols = [live, *(a[live] for a in (p.pg_gen, p.pg_epoch, p.pg_committed, p.pg_protected,
                                       p.pg_refs, p.pg_active, p.pg_writer, p.pg_device,
                                       p.pg_pins))]
-    table = np.column_stack([*cols, host])
+    return np.column_stack([*cols, host]).astype(np.int64, copy=False)
+
+
+def page_tuples(p: PoolState) -> list[list[int]]:
+    """``page_table`` as lists (what a decoded snapshot holds)."""
     paused = gc.isenabled()
     gc.disable()  # tens of thousands of small lists: no collection passes while they are made
     try:
-        return table.tolist()
+        return page_table(p).tolist()
     finally:
         if paused:
             gc.enable()
 
 
-def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
+def to_snapshot(st: StoreState, *, with_seq: bool = True, raw: bool = False) -> _StateSnap:
+    """The snapshot of ``st``. ``raw``: each pool's pages as their msgpack already
+    (``msgspec.Raw`` of ``encode_rows``: the same bytes, for encoding only)."""
     pools = []
     for name in sorted(st.pools):
         p = st.pools[name]
         pools.append(_PoolSnap(
             name, p.reserved, list(p.free_pages), list(p.free_rows), list(p.gens),
-            page_tuples(p),
+            msgspec.Raw(memoryview(encode_rows(page_table(p)))) if raw  # type: ignore[arg-type]
+            else page_tuples(p),
             [p.spaces[b].as_tuple() for b in sorted(p.spaces)]))
     bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
     snap = _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
@@ -127,12 +135,12 @@ def to_snapshot(st: StoreState, *, with_seq: bool = True) -> _StateSnap:
 
 
 def encode_state(st: StoreState) -> bytes:
-    return msgspec.msgpack.encode(to_snapshot(st))
+    return msgspec.msgpack.encode(to_snapshot(st, raw=True))
 
 
 def digest(st: StoreState) -> str:
     """Stable hash of the logical state (not of the journal position)."""
-    return hashlib.blake2b(msgspec.msgpack.encode(to_snapshot(st, with_seq=False)),
+    return hashlib.blake2b(msgspec.msgpack.encode(to_snapshot(st, with_seq=False, raw=True)),
                            digest_size=16).hexdigest()
 
 
