@@ -144,6 +144,29 @@ def digest(st: StoreState) -> str:
                            digest_size=16).hexdigest()
 
 
+def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray) -> None:
+    """A snapshot's ids index the pool's arrays, and the compiled loops that later read them
+    do not bounds-check: every page slot and membership slot below the slot count, every page
+    group, row and membership length within the pool, or ``ValueError`` (the snapshot is then
+    unusable, as one that does not decode). Whether the state keeps §14 is the recovery's
+    check (``violations``); this one only keeps a wrong snapshot from writing astray."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"snapshot pool {ps.name}: {what} (slots {n}, capacity "
+                          f"{spec.capacity}, rows {spec.rows}, L {spec.logical_pages})")
+    if len(pages):
+        slots, devs = pages[:, 0], pages[:, 8]
+        if slots.min() < 0 or slots.max() >= n or len(np.unique(slots)) != len(slots):
+            raise bad("a page slot out of range or listed twice")
+        if devs.min() < NO_PAGE or devs.max() >= spec.capacity:
+            raise bad("a page group out of range")
+    for t in ps.spaces:
+        members, row = t[7], t[6]
+        if len(members) > spec.logical_pages or any(not 0 <= m < n for m in members):
+            raise bad(f"seq {t[0]}: membership {list(members)[:8]} out of range")
+        if not -1 <= row < spec.rows:
+            raise bad(f"seq {t[0]}: row {row} out of range")
+
+
 def decode_state(data: bytes) -> StoreState:
     snap = msgspec.msgpack.decode(data, type=_StateSnap)
     st = StoreState()
@@ -162,6 +185,7 @@ def decode_state(data: bytes) -> StoreState:
         p.n_slots = n
         p.pg_gen[:n] = ps.gens
         rows = np.array(ps.pages, np.int64).reshape(-1, 14)  # page_tuples, back to arrays
+        _check_ranges(ps, spec, n, rows)
         if len(rows):
             slots = rows[:, 0]
             p.ensure_slot(int(slots.max()))
@@ -186,6 +210,11 @@ def decode_state(data: bytes) -> StoreState:
         st.host = ExtentAllocator.restore(snap.host_capacity, snap.host_free, snap.host_live)
         st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
         st.host_persistent = snap.host_persistent
+    for name, slots in [*((p, [s]) for p, s, _ in snap.copy_pins),
+                        *((p, s) for _, p, s, _ in snap.host_pending)]:
+        if name not in st.pools or any(not 0 <= x < st.pools[name].n_slots for x in slots):
+            raise ValueError(f"snapshot: a pinned or pending slot {list(slots)[:8]} of pool "
+                             f"{name!r} is out of range")
     st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))

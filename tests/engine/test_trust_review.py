@@ -3,8 +3,10 @@ same classes of bug on paths the first regression tests did not walk."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -314,3 +316,56 @@ def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
     j.close()
     with pytest.raises(JournalCorrupt, match="breaks §14"):
         KVStore.open(s.config)
+
+
+@pytest.mark.parametrize("damage", ["member", "negative member", "row", "page slot",
+                                    "page group", "pin"])
+def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: str) -> None:
+    """A snapshot's ids index the pool's arrays, and the compiled loops that read them later do
+    not bounds-check: a Finish(retain) of a membership naming slot 67 of a 2-slot pool wrote
+    past the arrays (found in review). decode_state refuses such a snapshot (ValueError: it
+    is then skipped like one that does not decode), and the store recovers from the log."""
+    import msgspec
+
+    from ninfer_kv.engine.state import _StateSnap, decode_state, encode_state
+
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(100, 100)
+    s.ensure_mapped(a, "main", 100)
+    step(s)
+    s.commit(a, "main", 100)
+    ck = s.finish(a, retain=True)
+    step(s)
+    st = decode_state(encode_state(s.state))
+    p = st.pools["main"]
+    sp = p.spaces[ck]
+    if damage == "member":
+        sp.members = [sp.members[0], p.n_slots + 3]
+    elif damage == "negative member":
+        sp.members = [-1]
+    elif damage == "row":
+        sp.row = p.rows + 1
+    elif damage == "page slot":
+        pass  # below, in the encoded snapshot: a page whose slot no membership names
+    elif damage == "page group":
+        p.pg_device[sp.members[0]] = p.capacity + 5
+    else:
+        st.copy_pins[("main", p.n_slots + 9)] = 1
+    payload = encode_state(st)
+    if damage == "page slot":
+        snap = msgspec.msgpack.decode(payload, type=_StateSnap)
+        snap.pools[0].pages[-1][0] = len(snap.pools[0].gens) + 7
+        payload = msgspec.msgpack.encode(snap)
+    with pytest.raises(ValueError, match="out of range"):
+        decode_state(payload)
+    s.close()
+    shutil.copytree(tmp_path / "journal", tmp_path / "clean")
+    j = Journal.open(str(tmp_path / "journal"), CODEC)
+    j.write_snapshot(payload)
+    j.close()
+    again = KVStore.open(s.config)  # the snapshot is skipped: the whole log is replayed
+    clean = KVStore.open(dataclasses.replace(s.config, journal_dir=str(tmp_path / "clean")))
+    assert again.digest() == clean.digest() and not again.check_invariants()
+    assert again.recovery.snapshots_skipped  # and says so
+    again.close()
+    clean.close()
