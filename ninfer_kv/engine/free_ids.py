@@ -15,6 +15,7 @@ allocated past the end when none is free.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -135,6 +136,7 @@ class FreeIds:
 
     def add(self, i: int) -> None:
         """``give([i])`` for one id, without the array round trip."""
+        i = operator.index(i)  # a plain int: ``lo`` is one, and numpy ints do not mix
         if not (0 <= i < len(self.bits)) or self.bits[i]:
             self.give([i])  # raises the ValueError that names the rule
         self.bits[i] = True

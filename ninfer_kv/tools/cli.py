@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if not __debug__:  # ninfer_kv.engine refuses to load without its assertions: say so once
+        sys.stderr.write("error: ninfer-kv needs its assertions; run it without python -O "
+                         "(PYTHONOPTIMIZE)\n")
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console(stderr=False)

@@ -30,3 +30,12 @@ def test_with_assertions_it_loads() -> None:
     res = subprocess.run([sys.executable, "-c", "import ninfer_kv.engine.apply"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_the_cli_says_so_in_one_line() -> None:
+    """CLI errors are one line, exit 2 — also this one (``--help`` used to end in a traceback:
+    the journal commands import apply)."""
+    res = subprocess.run([sys.executable, "-O", "-m", "ninfer_kv.tools.cli", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "without python -O" in res.stderr

@@ -231,3 +231,22 @@ def test_metadata_of_one_boundary_fits_one_record(tmp_path: Path) -> None:
     step(s)
     s.set_metadata(ck, blob)  # a new boundary, a new budget
     s.close()
+
+
+def test_batched_and_single_arguments_outside_64_bits_or_twice_are_typed_refusals(
+        tmp_path: Path) -> None:
+    """Found by the mutation check (three rules no test noticed): an integer outside 64 bits
+    in a list or in a one-sequence call is refused by name (not a raw OverflowError), and a
+    sequence twice in set_provisional_many is refused before anything is emitted."""
+    s, a = mapped(tmp_path, 100, checked=False)
+    assert_refusals_change_nothing(s, [
+        (InvalidArgument, "tokens: .* does not fit in 64 bits",
+         lambda: s.ensure_mapped_many("main", [a], [2 ** 70])),
+        (InvalidArgument, "tokens: .* does not fit in 64 bits",
+         lambda: s.ensure_mapped(a, "main", 2 ** 70)),
+        (InvalidArgument, "frontier: .* does not fit in 64 bits",
+         lambda: s.commit(a, "main", -2 ** 64)),
+        (InvalidArgument, r"seqs: \[\d+\] appear more than once",
+         lambda: s.set_provisional_many("main", [a, a], [10, 20])),
+    ])
+    s.close()

@@ -117,3 +117,15 @@ def test_remove_of_the_lowest_keeps_lo_a_bound_and_first_exact() -> None:
     assert f.first() == 4 and list(f) == [4, 5, 6, 8, 9]
     f.give([2])
     assert f.first() == 2
+
+
+def test_add_of_a_numpy_integer_keeps_plain_ints() -> None:
+    """``lo`` and what ``first`` returns stay plain ints (an Activate's row is journaled as
+    one; msgspec refuses numpy integers), whatever integer type ``add`` was given."""
+    import numpy as np
+
+    f = FreeIds(10, range(10))
+    for i in range(6):
+        f.remove(i)
+    f.add(np.int64(3))
+    assert type(f.lo) is int and type(f.first()) is int and f.first() == 3
