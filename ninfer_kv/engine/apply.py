@@ -69,8 +69,10 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
 
 def _publish(st: StoreState, e: ev.PublishActive) -> None:
     b = st.bundles[e.bundle]
-    assert not b.active and all(st.pools[p].spaces[e.bundle].active for p in b.pools), \
-        f"PublishActive of {e.bundle}: not a sequence being activated"
+    ok = not b.active
+    for name in b.pools:
+        ok = ok and st.pools[name].spaces[e.bundle].active
+    assert ok, f"PublishActive of {e.bundle}: not a sequence being activated"
     b.active = True
 
 

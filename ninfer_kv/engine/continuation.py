@@ -62,16 +62,17 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     src_bundle = st.bundles.get(checkpoint)
     if src_bundle is None or src_bundle.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
-    if isinstance(frontier, Mapping):
-        unknown = sorted(set(frontier) - set(store.pools))
-        missing = [p for p in store.pools if p not in frontier]
+    names = store.pools
+    if type(frontier) is not int and isinstance(frontier, Mapping):
+        unknown = sorted(set(frontier) - set(names))
+        missing = [p for p in names if p not in frontier]
         if unknown or missing:
-            raise InvalidArgument(f"frontier per pool: pools {list(store.pools)} need one each; "
+            raise InvalidArgument(f"frontier per pool: pools {list(names)} need one each; "
                                   f"missing {missing}, unknown {unknown}")
-        frontiers = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in store.pools}
+        frontiers = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in names}
     else:
         f0 = as_int("frontier", frontier, lo=0)
-        frontiers = dict.fromkeys(store.pools, f0)
+        frontiers = dict.fromkeys(names, f0)
     total = prompt_tokens + max_output_tokens
     if total <= 0:
         raise FrontierError(f"prompt_tokens={prompt_tokens} + max_output_tokens="
@@ -82,7 +83,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
     dst = st.next_bundle
     plans: dict[str, dict[str, Any]] = {}
-    for pool in store.pools:                                    # 1. create / claim
+    for pool in names:                                          # 1. create / claim
         if hook:
             hook("create", pool)
         if pool not in src_bundle.pools:
@@ -103,7 +104,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         sp = p.spaces[checkpoint]
         f = pl["frontier"]
         span = ceil_div(f, P)
-        mem = sp.slots
+        mem = p.sp_members[sp.i, :p.sp_nmem[sp.i]]  # read only
         move = mode == "move" or (mode == "auto" and not keep_source)
         if move:  # a Move takes the pages over: none may have another reference (§9.1)
             shared = mem[p.pg_refs[mem] > 1].tolist()
@@ -126,23 +127,23 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
                                     f"({len(missing)} to restore from host), {p.available} "
                                     "available", pool=pool, short=need - p.available)
-        pl.update(move=move, held=held, tail=tail, missing=missing)
+        pl["move"], pl["held"], pl["tail"], pl["missing"] = move, held, tail, missing
     for pool, pl in plans.items():                              # 3. restore Host-only pages
         if hook:
             hook("restore", pool)
         p = st.pools[pool]
-        f = pl["frontier"]
-        block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)} if pl["missing"] \
-            else {}
-        for s in pl["missing"]:
-            cols = min(P, f - block[s] * P)  # the columns this continuation reads
-            if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
-                raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} has "
-                                    "neither a device replica nor a valid host replica for "
-                                    f"{cols} columns (§5.1)")
-        n = len(pl["missing"]) + (1 if pl["tail"] else 0)
+        f, missing = pl["frontier"], pl["missing"]
+        if missing:
+            block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)}
+            for s in missing:
+                cols = min(P, f - block[s] * P)  # the columns this continuation reads
+                if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
+                    raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} "
+                                        "has neither a device replica nor a valid host replica "
+                                        f"for {cols} columns (§5.1)")
+        n = len(missing) + (1 if pl["tail"] else 0)
         picks = p.pick_pages(n) if n else []
-        pl["restored"] = dict(zip(pl["missing"], picks, strict=False))
+        pl["restored"] = dict(zip(missing, picks, strict=False)) if missing else {}
         pl["cow_page"] = picks[-1] if pl["tail"] else -1
     cows: dict[str, tuple[int, int, int, int]] = {}
     for pool, pl in plans.items():                              # 4/5. Move or Fork, COW tail
@@ -195,7 +196,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         events.extend(ev.Release(checkpoint, pool) for pool, pl in plans.items()
                       if not pl["move"])
     store._emit(*events)
-    for e in events:
+    copies = any(pl["tail"] or pl["restored"] for pl in plans.values())
+    for e in events if copies else ():
         if type(e) in _EFFECTS:  # device copies the boundary runs, in emission order
             store._effects.append(e)
             store.stats["cow_copies"] += type(e) is ev.CopyTail

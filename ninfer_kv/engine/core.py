@@ -201,9 +201,10 @@ class StoreCore:
 
     # --- event plumbing ---------------------------------------------------------------------
     def _emit(self, *events: Any) -> None:
+        st = self.state
         for e in events:
             try:
-                apply(self.state, e)
+                apply(st, e)
             except Exception as exc:  # a validated event that does not apply is a bug: stop
                 self._fail(f"apply {type(e).__name__}", exc)
                 raise StoreFailed(f"event {type(e).__name__} could not be applied; the store "

@@ -49,6 +49,9 @@ from ninfer_kv.journal import events as ev
 log = structlog.get_logger(__name__)
 
 
+_MTP = PoolKind.MTP.value
+
+
 class KVStore(StoreCore):
     """The storage engine. Open with :meth:`open`; not thread-safe (one engine loop).
 
@@ -99,12 +102,14 @@ class KVStore(StoreCore):
         """Pages to entitle for a space at ``frontier`` with a prompt+output ``budget``: the whole
         budget by default; with kv_lease_growth only frontier + window + cushion (§6.2). The MTP
         pool adds its provisional lead of K-1 tokens (§3.3)."""
-        frontier, budget = as_int("frontier", frontier, lo=0), as_int("budget", budget, lo=0)
+        if type(frontier) is not int or type(budget) is not int or frontier < 0 or budget < 0:
+            frontier, budget = as_int("frontier", frontier, lo=0), as_int("budget", budget, lo=0)
+        cfg = self.config
         tokens = budget
-        if self.config.lease_growth:
-            tokens = min(budget, frontier + self.config.lease_window + self.config.lease_cushion)
-        if pool == PoolKind.MTP.value:
-            tokens += self.config.serving.draft_window - 1
+        if cfg.lease_growth:
+            tokens = min(budget, frontier + cfg.lease_window + cfg.lease_cushion)
+        if pool == _MTP:
+            tokens += cfg.serving.draft_window - 1
         return min(self.plan.L, ceil_div(tokens, P))
 
     def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:
