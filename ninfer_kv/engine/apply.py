@@ -233,16 +233,17 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    assert not src.active, f"Fork of {e.src}: not an inactive checkpoint (fork_live shares " \
-        "a live sequence's prefix first, §9.2)"
-    assert e.src != e.dst and dst.nmem == 0 and e.full_pages * P <= src.committed, \
+    code = rk.fork_pages(src.i, dst.i, e.full_pages, pool.sp_active, pool.sp_committed,
+                         pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
+                         pool.pg_active)
+    assert code != rk.FORK_ACTIVE_SOURCE, f"Fork of {e.src}: not an inactive checkpoint " \
+        "(fork_live shares a live sequence's prefix first, §9.2)"
+    assert code != rk.FORK_BAD_TARGET, \
         f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
-    assert 0 <= e.full_pages <= src.nmem, \
+    assert code != rk.FORK_BAD_COUNT, \
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
-    forked = rk.fork_pages(src.i, dst.i, e.full_pages, pool.sp_members, pool.sp_nmem,
-                           pool.pg_live, pool.pg_refs, pool.pg_active)
-    assert forked, f"Fork of {e.src}: a dead page in its membership"
-    dst.committed = dst.provisional = e.full_pages * P
+    assert code != rk.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership"
+    dst.provisional = e.full_pages * P  # committed too (fork_pages)
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
     pool.reserved -= e.full_pages - dst.incoming
     dst.incoming = 0

@@ -395,23 +395,37 @@ def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.nd
     return code, j, blk, idx
 
 
+FORK_ACTIVE_SOURCE, FORK_BAD_TARGET, FORK_BAD_COUNT, FORK_DEAD_PAGE = 1, 2, 3, 4
+"""``fork_pages``' refusals, in the order it checks them."""
+
+
 @njit(nogil=True)
-def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_members: np.ndarray,
-               sp_nmem: np.ndarray, pg_live: np.ndarray, pg_refs: np.ndarray,
-               pg_active: np.ndarray) -> bool:
-    """``apply(Fork)``'s page half (§9.2): the first ``full_pages`` blocks of space ``src_i``
-    become space ``dst_i``'s (active) membership, each page gaining a reference. False, and
-    nothing changed, when one of them is not a live page (a damaged journal)."""
+def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
+               sp_committed: np.ndarray, sp_members: np.ndarray, sp_nmem: np.ndarray,
+               pg_live: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
+    """``apply(Fork)``'s checks and page half (§9.2): space ``src_i`` an inactive checkpoint,
+    ``dst_i`` a different space without pages, ``full_pages`` within the source's membership
+    and committed frontier, every one of those pages live — else the first refusal code, and
+    nothing changed. Then the first ``full_pages`` blocks of ``src_i`` become ``dst_i``'s
+    (active) membership, each page gaining a reference, and ``dst_i`` is committed to them.
+    Returns ``OK``."""
+    if sp_active[src_i]:
+        return FORK_ACTIVE_SOURCE
+    if src_i == dst_i or sp_nmem[dst_i] != 0 or full_pages * P > sp_committed[src_i]:
+        return FORK_BAD_TARGET
+    if not 0 <= full_pages <= sp_nmem[src_i]:
+        return FORK_BAD_COUNT
     for k in range(full_pages):
         if not pg_live[sp_members[src_i, k]]:
-            return False
+            return FORK_DEAD_PAGE
     for k in range(full_pages):
         s = sp_members[src_i, k]
         pg_refs[s] += 1       # a membership holds a slot once: no repeated index
         pg_active[s] += 1
         sp_members[dst_i, k] = s
     sp_nmem[dst_i] = full_pages
-    return True
+    sp_committed[dst_i] = full_pages * P
+    return OK
 
 
 @njit(nogil=True)

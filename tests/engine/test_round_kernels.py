@@ -269,3 +269,39 @@ def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers
     assert active.tolist() == want_active.tolist()
     assert writer.tolist() == want_writer.tolist()
     assert prot.tolist() == want_prot.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 4), st.integers(-1, 5), st.booleans(), st.integers(0, 5 * P),
+       st.lists(st.booleans(), min_size=6, max_size=6), st.booleans())
+def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, dst_has_pages):
+    """apply(Fork)'s checks in order, nothing changed on a refusal; else the prefix shared."""
+    members = np.full((2, 5), -1, np.int32)
+    members[0, :nmem] = np.arange(nmem) + 1
+    sp_nmem = np.array([nmem, 1 if dst_has_pages else 0], I64)
+    sp_active = np.array([src_active, True])
+    sp_committed = np.array([min(committed, nmem * P), 0], I64)
+    pg_live, refs, active = np.array(live), np.ones(6, I64), np.zeros(6, I64)
+    before = [a.copy() for a in (members, sp_nmem, sp_committed, refs, active)]
+    code = rk.fork_pages(0, 1, full, sp_active, sp_committed, members, sp_nmem, pg_live, refs,
+                         active)
+    if src_active:
+        want = rk.FORK_ACTIVE_SOURCE
+    elif dst_has_pages or full * P > sp_committed[0]:
+        want = rk.FORK_BAD_TARGET
+    elif not 0 <= full <= nmem:
+        want = rk.FORK_BAD_COUNT
+    elif not all(live[1:full + 1]):
+        want = rk.FORK_DEAD_PAGE
+    else:
+        want = rk.OK
+    assert code == want
+    if code != rk.OK:
+        after = (members, sp_nmem, sp_committed, refs, active)
+        assert all((a == b).all() for a, b in zip(before, after, strict=True))
+        return
+    shared = list(range(1, full + 1))
+    assert members[1, :full].tolist() == shared and sp_nmem[1] == full
+    assert sp_committed[1] == full * P
+    assert refs.tolist() == [1 + (s in shared) for s in range(6)]
+    assert active.tolist() == [int(s in shared) for s in range(6)]
