@@ -115,6 +115,7 @@ TARGETS: tuple[Target, ...] = (
                                         "drop_device", "drop_host", "drops_after_publish")),
     Target("engine/decode.py", "filter", ("writable",)),
     Target("engine/round_kernels.py", "filter", ops=("guard",)),
+    Target("engine/apply_kernels.py", "filter", ops=("guard",)),
     Target("engine/continuation.py", "filter", ("unrecoverable_reason",)),
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
@@ -178,7 +179,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
                                                    "lock.py", "args.py")),
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
-    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_release_tail.py",
+    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_round_kernels.py",
+                          "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
                           *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
@@ -221,6 +223,9 @@ EQUIVALENT: dict[str, str] = {
         "a pinned page stays live (collect skips pinned pages); the count check refused the rest",
     'engine/apply_host.py:host_reserve:assert:"HostReserve at {}: one is pending"':
         "the pending transfer's extent is live: the allocator refuses it and the event is undone",
+    'engine/apply_kernels.py:append_members:assert:"0 <= sp_nmem[i] < sp_members.shape[1]"':
+        "apply(Materialize) makes room first (ensure_members of materialize_plan's width), so "
+        "no length reaching the kernel breaks it; it guards the kernel's writes, not a rule",
     'engine/apply.py:_commit:assert:"CommitFrontiers of {}: {} seqs, {} frontiers"':
         "without it apply_commit reads past the frontiers array (numba does not bounds-check): "
         "undefined behaviour no test can observe deterministically",
@@ -402,8 +407,11 @@ def _stringish(e: ast.expr | None) -> bool:
     return isinstance(e, ast.JoinedStr) or (isinstance(e, ast.Constant) and isinstance(e.value, str))
 
 
-REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE"})
-"""engine/round_kernels.py's refusal codes: an ``if`` returning one is a check (guard op)."""
+REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE",
+                           "NO_SPACE", "INACTIVE", "NO_GROUP", "FORK_ACTIVE_SOURCE",
+                           "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE"})
+"""engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is
+a check (guard op)."""
 
 
 def _returns_code(value: ast.expr | None) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_kv.engine import apply_host as ah
-from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life import I64, members_of, new_pages, unref
@@ -82,15 +82,15 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
     assert len(b) == len(slots) == len(devs), f"Materialize of {e.pool}: lengths differ"
     if not len(b):
         return
-    idx, code, j, width = rk.materialize_plan(b, devs, pool.bundle_index, pool.sp_active,
+    idx, code, j, width = ak.materialize_plan(b, devs, pool.bundle_index, pool.sp_active,
                                               pool.sp_nmem)
-    assert code != rk.NO_SPACE, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
-    assert code != rk.INACTIVE, f"Materialize of {e.pool}: into an inactive checkpoint"
-    assert code != rk.NO_GROUP, \
+    assert code != ak.NO_SPACE, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
+    assert code != ak.INACTIVE, f"Materialize of {e.pool}: into an inactive checkpoint"
+    assert code != ak.NO_GROUP, \
         f"Materialize of {e.pool}: a new page without a page group (§8.1)"
     new_pages(pool, slots, devs, b)
     pool.ensure_members(width)
-    rk.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
+    ak.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)
 
 
@@ -100,7 +100,7 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
     pool = st.pools[e.pool]
     b, f = unpack(e.bundles), unpack(e.frontiers)
     assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
-    bad = rk.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
+    bad = ak.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
                           pool.sp_members, pool.pg_committed, pool.sp_active)
     assert bad < 0, (f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in "
                      f"{e.pool}, or a frontier below its committed one (§8.1: a commit only "
@@ -152,7 +152,7 @@ def _grow(st: StoreState, e: ev.Grow) -> None:
     pool = st.pools[e.pool]
     b, n = unpack(e.bundles), unpack(e.pages).astype(I64)
     assert len(b) == len(n), f"Grow of {e.pool}: {len(b)} seqs, {len(n)} page counts"
-    idx, j = rk.space_index(b, pool.bundle_index)
+    idx, j = ak.space_index(b, pool.bundle_index)
     assert j < 0 and len(np.unique(idx)) == len(idx) and pool.sp_active[idx].all() \
         and (n >= 0).all() and (pool.sp_entitlement[idx] + n <= pool.logical_pages).all(), \
         f"Grow of {e.pool}: a seq with no active space or listed twice, negative pages, or past L"
@@ -174,7 +174,7 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle.finish_reason = e.reason
     slots = members_of(pool, sp)
     if e.retain:
-        rk.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
+        ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
                         pool.pg_protected)  # protected coverage only grows
         sp.protected = sp.committed
         sp.provisional = 0
@@ -233,16 +233,16 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    code = rk.fork_pages(src.i, dst.i, e.full_pages, pool.sp_active, pool.sp_committed,
+    code = ak.fork_pages(src.i, dst.i, e.full_pages, pool.sp_active, pool.sp_committed,
                          pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
                          pool.pg_active)
-    assert code != rk.FORK_ACTIVE_SOURCE, f"Fork of {e.src}: not an inactive checkpoint " \
+    assert code != ak.FORK_ACTIVE_SOURCE, f"Fork of {e.src}: not an inactive checkpoint " \
         "(fork_live shares a live sequence's prefix first, §9.2)"
-    assert code != rk.FORK_BAD_TARGET, \
+    assert code != ak.FORK_BAD_TARGET, \
         f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
-    assert code != rk.FORK_BAD_COUNT, \
+    assert code != ak.FORK_BAD_COUNT, \
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
-    assert code != rk.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership"
+    assert code != ak.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership"
     dst.provisional = e.full_pages * P  # committed too (fork_pages)
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
     pool.reserved -= e.full_pages - dst.incoming

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
@@ -33,7 +33,7 @@ def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.
     if not len(slots):
         return
     n_old = pool.n_slots
-    j, reused, taken, n_new = rk.take_new_pages(slots, devs, n_old, pool.free_slots.bits,
+    j, reused, taken, n_new = ak.take_new_pages(slots, devs, n_old, pool.free_slots.bits,
                                                 pool.free_pages.bits, pool.pg_live)
     if j >= 0:
         raise ValueError(f"{pool.name}: new page {j} in slot {int(slots[j])} with page group "
@@ -48,7 +48,7 @@ def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.
     assert not (pool.host_of and any(s in pool.host_of for s in slots.tolist())), \
         f"{pool.name}: a new page's slot still records a host replica"
     w = writers if isinstance(writers, np.ndarray) else np.full(len(slots), writers, I64)
-    rk.init_new_pages(slots, devs, w, 1, pool.pg_live, pool.pg_epoch, pool.pg_committed,
+    ak.init_new_pages(slots, devs, w, 1, pool.pg_live, pool.pg_epoch, pool.pg_committed,
                       pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
                       pool.pg_device, pool.pg_pins)
 
@@ -58,12 +58,12 @@ def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
     and host replicas and recycle the slots, advancing their generations (§5.3). A garbage
     slot that is not live, or whose slot or page group is free already, is a damaged journal:
     ``ValueError``, nothing freed."""
-    dead = rk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
+    dead = ak.dead_slots(slots, pool.pg_refs, pool.pg_pins)
     if not len(dead):
         return
     if pool.host_of:
         hosts = [pool.host_of.get(s) for s in dead.tolist()]
-    j, freed, low, low_slot = rk.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
+    j, freed, low, low_slot = ak.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
                                            pool.free_pages.bits, pool.free_slots.bits)
     if j >= 0:
         raise ValueError(f"{pool.name}: freeing slot {int(dead[j])} (page group "
@@ -86,7 +86,7 @@ def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle
     """``bundle``'s space drops its references to ``slots`` (an active space also its
     writer right); pages left without references are collected."""
     slots = np.asarray(slots, I64)
-    rk.unref_slots(slots, bundle, active, pool.pg_refs, pool.pg_active, pool.pg_writer)
+    ak.unref_slots(slots, bundle, active, pool.pg_refs, pool.pg_active, pool.pg_writer)
     collect(st, pool, slots)
 
 

@@ -2,9 +2,10 @@
 
 A decode round touches every running sequence three times: resolve and check the mapping
 request, check the commit (frontier range and write permission), apply the commit. Done with
-numpy each step costs a dozen small-array calls (~1 µs each); one compiled loop per step costs
-one call. The kernels only *read* state, except ``apply_commit`` — which ``apply`` calls, so
-``apply`` stays the only mutator.
+numpy each step costs a dozen small-array calls (~1 µs each); one compiled call per command
+(``map_round``, ``commit_round``) costs one. These kernels only *read* the store's state
+(``publish_rows`` writes the block tables the boundary publishes); the loops that write it are
+``apply``'s, in engine/apply_kernels.py, so ``apply`` stays the only mutator.
 
 The check kernels return ``(code, j)``: ``OK``, or the first refused element ``j`` and why.
 The command then re-runs its plain-Python check for that element to raise the precise typed
@@ -91,188 +92,6 @@ def check_commit(bundles: np.ndarray, idx: np.ndarray, frontiers: np.ndarray,
 
 
 @njit(nogil=True)
-def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
-                 sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
-                 pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
-    """``apply(CommitFrontiers)``, in event order: pages from the old frontier's block to
-    the new one get their committed columns. Returns -1, or the first element naming no
-    active space or a frontier outside [its committed frontier, membership] — a commit only
-    advances (a damaged journal; then nothing is applied). A seq listed twice is checked
-    against the frontier its earlier element left."""
-    n = bundles.shape[0]
-    old = np.empty(n, np.int64)     # each element's committed frontier before it
-    for j in range(n):
-        b = bundles[j]
-        i = -1
-        bad = not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0)
-        if not bad:
-            i = bundle_index[b]
-            bad = (not sp_active[i] or frontiers[j] > sp_nmem[i] * P
-                   or frontiers[j] < sp_committed[i])
-        if bad:
-            for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
-                sp_committed[bundle_index[bundles[k]]] = old[k]
-            return j
-        old[j] = sp_committed[i]
-        sp_committed[i] = frontiers[j]
-    for j in range(n):
-        i = bundle_index[bundles[j]]
-        f = frontiers[j]
-        for blk in range(old[j] // P, (f + P - 1) // P):
-            cols = f - blk * P
-            pg_committed[sp_members[i, blk]] = P if cols > P else cols
-    return -1
-
-
-@njit(nogil=True)
-def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
-                   sp_nmem: np.ndarray) -> None:
-    """``apply(Materialize)``'s membership part, in event order: slot ``j`` becomes the next
-    block of space ``idx[j]`` (the caller made room: ``PoolState.ensure_members``)."""
-    for j in range(idx.shape[0]):
-        i = idx[j]
-        assert 0 <= sp_nmem[i] < sp_members.shape[1]  # a damaged length never writes astray
-        sp_members[i, sp_nmem[i]] = slots[j]
-        sp_nmem[i] += 1
-
-
-@njit(nogil=True)
-def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> np.ndarray:
-    """The distinct slots of ``slots`` with no reference and no pin (garbage, §5.3),
-    ascending."""
-    out = np.empty(slots.shape[0], np.int64)
-    k = 0
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if pg_refs[s] == 0 and pg_pins[s] == 0:
-            out[k] = s
-            k += 1
-    return np.unique(out[:k])
-
-
-@njit(nogil=True)
-def take_new_pages(slots: np.ndarray, devs: np.ndarray, n_slots: int, slot_bits: np.ndarray,
-                   page_bits: np.ndarray, pg_live: np.ndarray) -> tuple[int, int, int, int]:
-    """The free-list half of ``new_pages`` (``apply(Materialize)``), in event order: slot
-    ``slots[j]`` is a free, dead slot below ``n_slots`` or the next never-used one, and
-    ``devs[j]`` (unless -1) a free page group; each leaves its free list. Returns (j, slots
-    reused, page groups taken, the new ``n_slots``): ``j`` = -1, or the first element that
-    breaks the rule, and then nothing is taken (a damaged journal)."""
-    nxt = n_slots
-    reused = taken = 0
-    bad = -1
-    for j in range(slots.shape[0]):
-        s, d = slots[j], devs[j]
-        if s == nxt:
-            nxt += 1
-        elif 0 <= s < n_slots and s < slot_bits.shape[0] and slot_bits[s] and not pg_live[s]:
-            slot_bits[s] = False
-            reused += 1
-        else:
-            bad = j
-            break
-        if d != -1:
-            if 0 <= d < page_bits.shape[0] and page_bits[d]:
-                page_bits[d] = False
-                taken += 1
-            else:
-                if s < n_slots:
-                    slot_bits[s] = True
-                bad = j
-                break
-    if bad < 0:
-        return -1, reused, taken, nxt
-    for k in range(bad):  # undo: nothing taken
-        s, d = slots[k], devs[k]
-        if s < n_slots:
-            slot_bits[s] = True
-        if d != -1:
-            page_bits[d] = True
-    return bad, 0, 0, n_slots
-
-
-@njit(nogil=True)
-def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, active: int,
-                   pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
-                   pg_protected: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray,
-                   pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray) -> None:
-    """``PoolState.init_pages`` in one loop: one reference, nothing committed or protected,
-    no pin; generations kept."""
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        pg_live[s] = True
-        pg_epoch[s] = 0
-        pg_committed[s] = 0
-        pg_protected[s] = 0
-        pg_refs[s] = 1
-        pg_active[s] = active
-        pg_writer[s] = writers[j]
-        pg_device[s] = devs[j]
-        pg_pins[s] = 0
-
-
-@njit(nogil=True)
-def space_index(bundles: np.ndarray, bundle_index: np.ndarray) -> tuple[np.ndarray, int]:
-    """(space index of each bundle, -1) — or the first bundle without a space in the pool
-    (a damaged journal). A bundle may repeat (one sequence, several new pages)."""
-    idx = np.empty(bundles.shape[0], np.int64)
-    for j in range(bundles.shape[0]):
-        b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
-        if i < 0:
-            return idx, j
-        idx[j] = i
-    return idx, -1
-
-
-@njit(nogil=True)
-def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_refs: np.ndarray,
-                pg_active: np.ndarray, pg_writer: np.ndarray) -> None:
-    """A space drops its references to ``slots`` (an active space also its writer right):
-    ``unref``'s counting half, a slot listed twice counted twice."""
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        pg_refs[s] -= 1
-        if active:
-            pg_active[s] -= 1
-            if pg_writer[s] == bundle:
-                pg_writer[s] = -1
-
-
-@njit(nogil=True)
-def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
-              pg_gen: np.ndarray, page_bits: np.ndarray, slot_bits: np.ndarray
-              ) -> tuple[int, int, int, int]:
-    """``collect``'s freeing half for the distinct garbage slots ``dead``: device page groups
-    and slots back to their free lists, generations advanced (§5.3). Checked first: every
-    slot live and not free, every page group in range and not free — else (j, 0, 0, 0) with
-    the first bad index and nothing changed. Returns (-1, page groups freed, lowest page
-    group freed or -1, lowest slot)."""
-    for j in range(dead.shape[0]):
-        s = dead[j]
-        d = pg_device[s]
-        if not pg_live[s] or s >= slot_bits.shape[0] or slot_bits[s]:
-            return j, 0, 0, 0
-        if d != -1 and (d < 0 or d >= page_bits.shape[0] or page_bits[d]):
-            return j, 0, 0, 0
-    freed = 0
-    low = -1
-    for j in range(dead.shape[0]):
-        s = dead[j]
-        d = pg_device[s]
-        if d != -1:
-            page_bits[d] = True
-            freed += 1
-            if low < 0 or d < low:
-                low = d
-        pg_device[s] = -1
-        pg_live[s] = False
-        pg_gen[s] += 1
-        slot_bits[s] = True
-    return -1, freed, low, dead[0] if dead.shape[0] else -1
-
-
-@njit(nogil=True)
 def grow_plan(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem: np.ndarray,
               total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """After ``plan_mapping`` found ``total`` pages to materialize: (the sequence of each new
@@ -348,38 +167,6 @@ def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarr
     return code, j, idx, need_b, grown, first, slots, slot_lo, pages, page_lo
 
 
-NO_SPACE, INACTIVE, NO_GROUP = 1, 2, 3
-"""``materialize_plan``'s refusals: a bundle with no space in the pool, a space that is an
-inactive checkpoint's, a new page without a page group (§8.1)."""
-
-
-@njit(nogil=True)
-def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.ndarray,
-                     sp_active: np.ndarray, sp_nmem: np.ndarray
-                     ) -> tuple[np.ndarray, int, int, int]:
-    """``apply(Materialize)``'s checks and sizing in one pass: (space index of each new
-    page's bundle, code, j, the membership width ``append_members`` reaches). ``code`` is
-    ``OK`` or the first refusal (``NO_SPACE``, ``INACTIVE``, ``NO_GROUP``) at element ``j``;
-    a bundle may repeat (one sequence, several new pages)."""
-    n = bundles.shape[0]
-    idx = np.empty(n, np.int64)
-    extra = np.zeros(sp_nmem.shape[0], np.int64)
-    width = 0
-    for j in range(n):
-        b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
-        if i < 0:
-            return idx, NO_SPACE, j, 0
-        if not sp_active[i]:
-            return idx, INACTIVE, j, 0
-        if devs[j] < 0:
-            return idx, NO_GROUP, j, 0
-        idx[j] = i
-        extra[i] += 1
-        width = max(width, sp_nmem[i] + extra[i])
-    return idx, OK, -1, width
-
-
 @njit(nogil=True)
 def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
                  frontiers: np.ndarray, sp_committed: np.ndarray, sp_nmem: np.ndarray,
@@ -395,39 +182,6 @@ def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.nd
     return code, j, blk, idx
 
 
-FORK_ACTIVE_SOURCE, FORK_BAD_TARGET, FORK_BAD_COUNT, FORK_DEAD_PAGE = 1, 2, 3, 4
-"""``fork_pages``' refusals, in the order it checks them."""
-
-
-@njit(nogil=True)
-def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
-               sp_committed: np.ndarray, sp_members: np.ndarray, sp_nmem: np.ndarray,
-               pg_live: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
-    """``apply(Fork)``'s checks and page half (§9.2): space ``src_i`` an inactive checkpoint,
-    ``dst_i`` a different space without pages, ``full_pages`` within the source's membership
-    and committed frontier, every one of those pages live — else the first refusal code, and
-    nothing changed. Then the first ``full_pages`` blocks of ``src_i`` become ``dst_i``'s
-    (active) membership, each page gaining a reference, and ``dst_i`` is committed to them.
-    Returns ``OK``."""
-    if sp_active[src_i]:
-        return FORK_ACTIVE_SOURCE
-    if src_i == dst_i or sp_nmem[dst_i] != 0 or full_pages * P > sp_committed[src_i]:
-        return FORK_BAD_TARGET
-    if not 0 <= full_pages <= sp_nmem[src_i]:
-        return FORK_BAD_COUNT
-    for k in range(full_pages):
-        if not pg_live[sp_members[src_i, k]]:
-            return FORK_DEAD_PAGE
-    for k in range(full_pages):
-        s = sp_members[src_i, k]
-        pg_refs[s] += 1       # a membership holds a slot once: no repeated index
-        pg_active[s] += 1
-        sp_members[dst_i, k] = s
-    sp_nmem[dst_i] = full_pages
-    sp_committed[dst_i] = full_pages * P
-    return OK
-
-
 @njit(nogil=True)
 def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
     """The slots of ``slots`` whose page has no device replica (Host-only, §5.1), in order."""
@@ -438,20 +192,3 @@ def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
             out[k] = slots[j]
             k += 1
     return out[:k]
-
-
-@njit(nogil=True)
-def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_active: np.ndarray,
-                 pg_writer: np.ndarray, pg_protected: np.ndarray) -> None:
-    """``apply(Finish(retain))``'s page half (§7.2, §9.4): block ``k`` of the finished
-    sequence (slot ``slots[k]``) loses its active reference and ``bundle``'s writer right,
-    and its protected coverage grows to the committed columns of that block. A slot listed
-    twice is counted twice (as ``np.subtract.at`` / ``np.maximum.at``)."""
-    for k in range(slots.shape[0]):
-        s = slots[k]
-        pg_active[s] -= 1
-        if pg_writer[s] == bundle:
-            pg_writer[s] = -1
-        cols = min(P, committed - P * k)
-        if cols > pg_protected[s]:
-            pg_protected[s] = cols

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
@@ -190,7 +191,7 @@ def test_apply_commit_matches_oracle(args, repeat: bool):
         want_sp[i] = f
     if want_bad >= 0:
         want_pg, want_sp = pg.copy(), committed.copy()
-    got = rk.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active)
+    got = ak.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active)
     assert got == want_bad
     assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
 
@@ -198,7 +199,7 @@ def test_apply_commit_matches_oracle(args, repeat: bool):
 def test_apply_commit_into_an_inactive_space_applies_nothing() -> None:
     committed = np.array([5, 5], I64)
     pg = np.zeros(4, I64)
-    bad = rk.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), np.array([0, 1], I64),
+    bad = ak.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), np.array([0, 1], I64),
                           committed, np.array([2, 2], I64), np.array([[0, 1], [2, 3]], np.int32),
                           pg, np.array([True, False]))
     assert bad == 1 and committed.tolist() == [5, 5] and pg.tolist() == [0, 0, 0, 0]
@@ -207,7 +208,7 @@ def test_apply_commit_into_an_inactive_space_applies_nothing() -> None:
 def test_apply_commit_of_an_unknown_seq_applies_nothing():
     committed = np.array([5], I64)
     pg = np.zeros(2, I64)
-    bad = rk.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
+    bad = ak.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
                           committed, np.array([2], I64), np.array([[0, 1]], np.int32), pg,
                           np.ones(1, np.bool_))
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
@@ -221,7 +222,7 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
     committed = np.array([0, 0], I64)
     members = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
     pg = np.zeros(4, I64)
-    bad = rk.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
+    bad = ak.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
                           np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg,
                           np.ones(2, np.bool_))
     assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]
@@ -237,12 +238,12 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
     sp_nmem = np.array(nmem[:len(sp_active)], I64)
     b = np.array([x for x, _ in pages], I64)
     devs = np.array([d for _, d in pages], I64)
-    idx, code, j, width = rk.materialize_plan(b, devs, bundle_index, sp_active, sp_nmem)
+    idx, code, j, width = ak.materialize_plan(b, devs, bundle_index, sp_active, sp_nmem)
     want, grown = (rk.OK, -1), sp_nmem.copy()
     for k, (x, d) in enumerate(pages):
         i = bundle_index[x] if 0 <= x < len(bundle_index) else -1
         if i < 0 or not sp_active[i] or d < 0:
-            want = (rk.NO_SPACE if i < 0 else rk.INACTIVE if not sp_active[i] else rk.NO_GROUP,
+            want = (ak.NO_SPACE if i < 0 else ak.INACTIVE if not sp_active[i] else ak.NO_GROUP,
                     k)
             break
         grown[i] += 1
@@ -265,7 +266,7 @@ def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers
     np.subtract.at(want_active, s, 1)
     want_writer[s[want_writer[s] == bundle]] = -1
     np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
-    rk.retain_pages(s, bundle, committed, active, writer, prot)
+    ak.retain_pages(s, bundle, committed, active, writer, prot)
     assert active.tolist() == want_active.tolist()
     assert writer.tolist() == want_writer.tolist()
     assert prot.tolist() == want_prot.tolist()
@@ -273,8 +274,9 @@ def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 4), st.integers(-1, 5), st.booleans(), st.integers(0, 5 * P),
-       st.lists(st.booleans(), min_size=6, max_size=6), st.booleans())
-def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, dst_has_pages):
+       st.lists(st.booleans(), min_size=6, max_size=6), st.booleans(), st.booleans())
+def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, dst_has_pages,
+                                      onto_itself):
     """apply(Fork)'s checks in order, nothing changed on a refusal; else the prefix shared."""
     members = np.full((2, 5), -1, np.int32)
     members[0, :nmem] = np.arange(nmem) + 1
@@ -283,16 +285,16 @@ def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, d
     sp_committed = np.array([min(committed, nmem * P), 0], I64)
     pg_live, refs, active = np.array(live), np.ones(6, I64), np.zeros(6, I64)
     before = [a.copy() for a in (members, sp_nmem, sp_committed, refs, active)]
-    code = rk.fork_pages(0, 1, full, sp_active, sp_committed, members, sp_nmem, pg_live, refs,
-                         active)
+    code = ak.fork_pages(0, 0 if onto_itself else 1, full, sp_active, sp_committed, members,
+                         sp_nmem, pg_live, refs, active)
     if src_active:
-        want = rk.FORK_ACTIVE_SOURCE
-    elif dst_has_pages or full * P > sp_committed[0]:
-        want = rk.FORK_BAD_TARGET
+        want = ak.FORK_ACTIVE_SOURCE
+    elif onto_itself or dst_has_pages or full * P > sp_committed[0]:
+        want = ak.FORK_BAD_TARGET
     elif not 0 <= full <= nmem:
-        want = rk.FORK_BAD_COUNT
+        want = ak.FORK_BAD_COUNT
     elif not all(live[1:full + 1]):
-        want = rk.FORK_DEAD_PAGE
+        want = ak.FORK_DEAD_PAGE
     else:
         want = rk.OK
     assert code == want

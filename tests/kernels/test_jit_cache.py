@@ -125,10 +125,12 @@ def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
     """Review finding: engine/round_kernels.py and free_ids.py used numba's own cache beside
     the sources (a read-only install could not even import the store), and the page size
     they bake in from layout.py was not part of any staleness check."""
+    from ninfer_kv.engine import apply_kernels as ak
     from ninfer_kv.engine import free_ids
     from ninfer_kv.engine import round_kernels as rk
 
-    for f in (rk.resolve, rk.check_commit, rk.apply_commit, free_ids._flip, free_ids._lowest):
+    for f in (rk.resolve, rk.check_commit, ak.apply_commit, ak.fork_pages, free_ids._flip,
+              free_ids._lowest):
         assert f._cache._cache_path.startswith(jit.cache_dir()), f
     engine = tmp_path / "engine"
     engine.mkdir()
