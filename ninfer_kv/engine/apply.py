@@ -17,7 +17,7 @@ from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_pages, unref
+from ninfer_kv.engine.page_life import I64, members_of, new_page, new_pages, unref
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -309,7 +309,7 @@ def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     assert st.pools[e.pool].spaces[e.dst].active, f"CopyTail into {e.dst}: not an active space"
     pool = st.pools[e.pool]
     dst = pool.spaces[e.dst]
-    new_pages(pool, np.array([e.slot], I64), np.array([e.page], I64), np.array([e.dst], I64))
+    new_page(pool, e.slot, e.page, e.dst)
     pool.pg_committed[e.slot] = e.columns
     dst.append_member(e.slot)
     dst.committed = dst.provisional = (dst.nmem - 1) * P + e.columns
