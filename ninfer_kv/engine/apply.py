@@ -17,7 +17,7 @@ from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_page, new_pages, unref
+from ninfer_kv.engine.page_life import I64, members_of, new_page, unref
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -77,34 +77,58 @@ def _publish(st: StoreState, e: ev.PublishActive) -> None:
 
 
 def _materialize(st: StoreState, e: ev.Materialize) -> None:
+    """One compiled call on the packed fields (``apply_kernels.materialize``), or two when
+    the arrays must grow first: nothing changes on a refusal."""
     pool = st.pools[e.pool]
-    b, slots, devs = unpack(e.bundles), unpack(e.slots), unpack(e.pages)
-    assert len(b) == len(slots) == len(devs), f"Materialize of {e.pool}: lengths differ"
-    if not len(b):
+    assert not (pool.host_of and any(s in pool.host_of for s in unpack(e.slots).tolist())), \
+        f"{e.pool}: a new page's slot still records a host replica"
+    fs, fp = pool.free_slots, pool.free_pages
+    for _ in range(2):
+        code, j, x, y, z = ak.materialize(
+            e.bundles, e.slots, e.pages, pool.n_slots, pool.bundle_index, pool.sp_active,
+            pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live, pool.pg_epoch,
+            pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
+            pool.pg_device, pool.pg_pins)
+        if code != ak.NO_ROOM:
+            break
+        pool.ensure_members(x)
+        pool.ensure_slot(y - 1)
+    if code == ak.OK:
+        fs.n -= x
+        fp.n -= y
+        pool.n_slots = z
+        pool.reserved -= len(e.bundles) // 4
         return
-    idx, code, j, width = ak.materialize_plan(b, devs, pool.bundle_index, pool.sp_active,
-                                              pool.sp_nmem)
+    assert code != ak.LENGTHS, (f"Materialize of {e.pool}: {len(e.bundles)}, {len(e.slots)} and "
+                                f"{len(e.pages)} bytes of seqs, slots and page groups "
+                                "(int32 each)")
+    b, slots, devs = unpack(e.bundles), unpack(e.slots), unpack(e.pages)
     assert code != ak.NO_SPACE, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
     assert code != ak.INACTIVE, f"Materialize of {e.pool}: into an inactive checkpoint"
     assert code != ak.NO_GROUP, \
         f"Materialize of {e.pool}: a new page without a page group (§8.1)"
-    new_pages(pool, slots, devs, b)
-    pool.ensure_members(width)
-    ak.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
-    pool.reserved -= len(b)
+    raise AssertionError(
+        f"Materialize of {e.pool}: new page {j} in slot {int(slots[j])} with page group "
+        f"{int(devs[j])}: the slot is neither free (and dead) nor the next unused one "
+        f"({pool.n_slots} + pages before it), or the page group is not free (§5.2)")
 
 
 def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
-    """Applied in event order by one compiled loop (engine/round_kernels.py): pages from the
-    old frontier's block to the new one get their committed columns."""
+    """Applied in event order by one compiled loop on the packed fields
+    (engine/apply_kernels.py): pages from the old frontier's block to the new one get their
+    committed columns."""
     pool = st.pools[e.pool]
+    bad = ak.apply_commit_raw(e.bundles, e.frontiers, pool.bundle_index, pool.sp_committed,
+                              pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active)
+    if bad == -1:
+        return
+    assert bad >= 0, (f"CommitFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, "
+                      f"{len(e.frontiers)} of frontiers (int32 each)")
     b, f = unpack(e.bundles), unpack(e.frontiers)
-    assert len(b) == len(f), f"CommitFrontiers of {e.pool}: {len(b)} seqs, {len(f)} frontiers"
-    bad = ak.apply_commit(b, f, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
-                          pool.sp_members, pool.pg_committed, pool.sp_active)
-    assert bad < 0, (f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in "
-                     f"{e.pool}, or a frontier below its committed one (§8.1: a commit only "
-                     "advances; Truncate lowers) or past its membership")
+    raise AssertionError(
+        f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in {e.pool}, or a "
+        "frontier below its committed one (§8.1: a commit only advances; Truncate lowers) or "
+        "past its membership")
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:

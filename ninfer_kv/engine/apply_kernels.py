@@ -18,6 +18,14 @@ from ninfer_kv.kernels.jit import njit
 
 
 @njit(nogil=True)
+def int32s(raw: bytes) -> np.ndarray:
+    """An event's packed int32 field (``events.pack``) as a read-only array, in place: passing
+    the ``bytes`` costs what passing an array does, so ``unpack`` in Python (~0.3 µs a field)
+    is skipped. Little-endian only (``ninfer_kv.engine`` refuses to load elsewhere)."""
+    return np.frombuffer(raw, np.int32)
+
+
+@njit(nogil=True)
 def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
                  sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
                  pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
@@ -49,6 +57,18 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
             cols = f - blk * P
             pg_committed[sp_members[i, blk]] = P if cols > P else cols
     return -1
+
+
+@njit(nogil=True)
+def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
+                     sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
+                     pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
+    """``apply_commit`` on the event's packed fields (``int32s``); -2 when their lengths
+    differ (nothing applied)."""
+    if len(b_raw) % 4 or len(f_raw) != len(b_raw):
+        return -2
+    return apply_commit(int32s(b_raw), int32s(f_raw), bundle_index, sp_committed, sp_nmem,
+                        sp_members, pg_committed, sp_active)
 
 
 @njit(nogil=True)
@@ -229,6 +249,51 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
         extra[i] += 1
         width = max(width, sp_nmem[i] + extra[i])
     return idx, OK, -1, width
+
+
+NO_ROOM, BAD_SLOT, LENGTHS = 4, 5, 6
+"""``materialize``'s other answers: the arrays must grow first (nothing changed), a slot or
+page group that is not free (``take_new_pages``' rule), fields of different lengths."""
+
+
+@njit(nogil=True)
+def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int,
+                bundle_index: np.ndarray, sp_active: np.ndarray, sp_nmem: np.ndarray,
+                sp_members: np.ndarray, slot_bits: np.ndarray, page_bits: np.ndarray,
+                pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
+                pg_protected: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray,
+                pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray
+                ) -> tuple[int, int, int, int, int]:
+    """``apply(Materialize)`` in one call (§5.2, §8.1), on the event's packed fields
+    (sequences, slots, page groups): ``materialize_plan``'s checks, then ``take_new_pages``,
+    ``init_new_pages`` (each page written by its sequence) and ``append_members``. Returns
+    (code, j, a, b, c):
+
+    - ``OK``: (slots reused, page groups taken, the new ``n_slots``) in a, b, c;
+    - ``NO_ROOM``: the memberships need width ``a`` or the page arrays length ``b``; nothing
+      changed, the caller grows them and calls again (a kernel cannot replace arrays);
+    - ``LENGTHS``, a ``materialize_plan`` refusal or ``BAD_SLOT`` at element ``j``: nothing
+      changed."""
+    if len(b_raw) % 4 or len(s_raw) != len(b_raw) or len(d_raw) != len(b_raw):
+        return LENGTHS, -1, 0, 0, 0
+    bundles, slots, devs = int32s(b_raw), int32s(s_raw), int32s(d_raw)
+    idx, code, j, width = materialize_plan(bundles, devs, bundle_index, sp_active, sp_nmem)
+    if code != OK:
+        return code, j, 0, 0, 0
+    nxt = n_slots  # the new n_slots if every slot is valid: never-used ones come in order
+    for k in range(slots.shape[0]):
+        if slots[k] == nxt:
+            nxt += 1
+    if width > sp_members.shape[1] or nxt > pg_live.shape[0]:
+        return NO_ROOM, -1, width, nxt, 0
+    j, reused, taken, n_new = take_new_pages(slots, devs, n_slots, slot_bits, page_bits,
+                                             pg_live)
+    if j >= 0:
+        return BAD_SLOT, j, 0, 0, 0
+    init_new_pages(slots, devs, bundles, 1, pg_live, pg_epoch, pg_committed, pg_protected,
+                   pg_refs, pg_active, pg_writer, pg_device, pg_pins)
+    append_members(idx, slots, sp_members, sp_nmem)
+    return OK, -1, reused, taken, n_new
 
 
 FORK_ACTIVE_SOURCE, FORK_BAD_TARGET, FORK_BAD_COUNT, FORK_DEAD_PAGE = 1, 2, 3, 4

@@ -77,10 +77,15 @@ def one_pair(bname: str, bundle: Any, vname: str, value: Any) -> tuple[np.ndarra
     """A one-sequence command as the batched form's int64 arrays (``as_int`` each, refused by
     name outside 64 bits): what ``as_int_array`` makes of ``[bundle]`` and ``[value]``."""
     b, v = as_int(bname, bundle), as_int(vname, value)
-    for name, x in ((bname, b), (vname, v)):
-        if not -(1 << 63) <= x < (1 << 63):
-            raise InvalidArgument(f"{name}: {x} does not fit in 64 bits")
-    return np.array([b], np.int64), np.array([v], np.int64)
+    if not _I64_LO <= b < _I64_HI:
+        raise InvalidArgument(f"{bname}: {b} does not fit in 64 bits")
+    if not _I64_LO <= v < _I64_HI:
+        raise InvalidArgument(f"{vname}: {v} does not fit in 64 bits")
+    pair = np.array((b, v), np.int64)
+    return pair[:1], pair[1:]
+
+
+_I64_LO, _I64_HI = -(1 << 63), 1 << 63
 
 
 def duplicated(values: np.ndarray) -> list[int]:

@@ -123,7 +123,7 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     need pages (one in P rounds when decoding) are visited in Python."""
     b, t = batch_arrays(bundles, tokens, "tokens")
     fs, fp = p.free_slots, p.free_pages
-    code, j, idx, need_b, grown, firsts, slots, slot_lo, pages, page_lo = rk.map_round(
+    code, j, i, n, g, slot_lo, page_lo, out = rk.map_round(
         b, p.bundle_index, p.sp_active, t, p.sp_nmem, p.sp_entitlement, p.logical_pages,
         fs.bits, fs.lo, fs.n, p.n_slots, fp.bits, fp.lo, fp.n)
     if code in (rk.UNKNOWN, rk.DUPLICATE):
@@ -135,13 +135,15 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
                                 f"{p.logical_pages * P}]")
         raise EntitlementExceeded(
             f"seq {bj} pool {p.name} needs {nj} pages for {tj} tokens, entitlement is "
-            f"{int(p.sp_entitlement[idx[j]])} (§8.1)")
-    n = len(need_b)
+            f"{int(p.sp_entitlement[i])} (§8.1)")
     if n == 0:
         return 0
     fs.lo, fp.lo = slot_lo, page_lo  # the scans' tighter lower bounds (a hint, not state)
-    tx._emit(ev.Materialize(p.name, pack(need_b), pack(slots), pack(pages)))
-    for bj, first in zip(grown.tolist(), firsts.tolist(), strict=True):
+    raw, w = out.tobytes(), 4 * n  # seqs, slots, page groups: as ``pack`` writes them (the
+    # engine loads on little-endian machines only: native int32 is the journal's)
+    tx._emit(ev.Materialize(p.name, raw[:w], raw[w:2 * w], raw[2 * w:3 * w]))
+    tail = out[3 * n:].tolist()  # the g grown sequences, then their first new blocks
+    for bj, first in zip(tail[:g], tail[g:], strict=True):
         tx._touch(p.name, bj, first)  # publish from the first new block on
     tx.stats["materialized"] += n
     return n

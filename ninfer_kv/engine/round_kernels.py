@@ -140,31 +140,42 @@ def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarr
               tokens: np.ndarray, sp_nmem: np.ndarray, sp_entitlement: np.ndarray,
               logical_pages: int, slot_bits: np.ndarray, slot_lo: int, slot_free: int,
               n_slots: int, page_bits: np.ndarray, page_lo: int, page_free: int
-              ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                         int, np.ndarray, int]:
+              ) -> tuple[int, int, int, int, int, int, int, np.ndarray]:
     """``ensure_mapped_many``'s whole plan in one call: ``resolve`` and ``plan_mapping``
-    (code, j), then for the ``total`` new pages ``grow_plan`` (the sequence of each, the
-    sequences that grow and their first new block), the slots (lowest free ones, then
-    never-used ones from ``n_slots``, as ``PoolState.pick_slot_array``) and the page groups
-    (lowest free, as ``FreeIds.lowest_array``), with the free lists' new ``lo`` bounds.
-    Returns (code, j, idx, need_b, grown, first, slots, slot_lo, pages, page_lo). Reads
-    only."""
-    none = np.empty(0, np.int64)
+    (code, j, and the space index of element ``j``), then for the ``total`` new pages
+    ``grow_plan`` (the sequence of each, the ``g`` sequences that grow and their first new
+    block), the slots (lowest free ones, then never-used ones from ``n_slots``, as
+    ``PoolState.pick_slot_array``) and the page groups (lowest free, as
+    ``FreeIds.lowest_array``), with the free lists' new ``lo`` bounds. Reads only.
+
+    Returns (code, j, i, total, g, slot_lo, page_lo, out): one int32 array (boxing an array
+    costs ~0.3 µs, so there is one) holding, in this order, the ``total`` sequences, slots and
+    page groups of the new pages — ``Materialize``'s three fields as they are packed — then
+    the ``g`` grown sequences and their first new blocks."""
+    none = np.empty(0, np.int32)
     idx, code, j = resolve(bundles, bundle_index, sp_active)
     if code != OK:
-        return code, j, idx, none, none, none, none, slot_lo, none, page_lo
+        return code, j, -1, 0, 0, slot_lo, page_lo, none
     total, code, j = plan_mapping(idx, tokens, sp_nmem, sp_entitlement, logical_pages)
     if code != OK:  # grow_plan may only run on a plan that passed: it trusts ``total``
-        return code, j, idx, none, none, none, none, slot_lo, none, page_lo
+        return code, j, idx[j], 0, 0, slot_lo, page_lo, none
     need_b, grown, first = grow_plan(bundles, idx, tokens, sp_nmem, total)
+    g = grown.shape[0]
+    out = np.empty(3 * total + 2 * g, np.int32)
+    out[:total] = need_b
     reuse, slot_lo = _lowest(slot_bits, slot_lo, min(total, slot_free))
-    slots = np.empty(total, np.int64)
     r = reuse.shape[0]
-    slots[:r] = reuse
+    out[total:total + r] = reuse
     for k in range(r, total):
-        slots[k] = n_slots + k - r
+        out[total + k] = n_slots + k - r
     pages, page_lo = _lowest(page_bits, page_lo, min(total, page_free))
-    return code, j, idx, need_b, grown, first, slots, slot_lo, pages, page_lo
+    out[2 * total:2 * total + pages.shape[0]] = pages
+    # fewer free page groups than pages (reservations forbid it): -1 entries, which
+    # apply(Materialize) refuses (a new page without a page group), stopping the store
+    out[2 * total + pages.shape[0]:3 * total] = -1
+    out[3 * total:3 * total + g] = grown
+    out[3 * total + g:] = first
+    return code, j, -1, total, g, slot_lo, page_lo, out
 
 
 @njit(nogil=True)

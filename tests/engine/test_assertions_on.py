@@ -39,3 +39,13 @@ def test_the_cli_says_so_in_one_line() -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "without python -O" in res.stderr
+
+
+def test_the_engine_refuses_to_load_on_a_big_endian_machine() -> None:
+    """The kernels read journaled int32 fields in place; on a big-endian machine every id
+    would be byte-swapped. Simulated by setting ``sys.byteorder`` before the import."""
+    res = subprocess.run([sys.executable, "-c", "import sys; sys.byteorder = 'big'; "
+                          "import ninfer_kv.engine"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0
+    assert "needs a little-endian machine" in res.stderr

@@ -90,21 +90,25 @@ def test_plan_mapping_matches_oracle(rows, logical_pages):
     bundle_index = np.full(100 + len(rows), -1, I64)
     bundle_index[bundles] = idx
     active = np.ones(len(rows), np.bool_)
-    code2, j2, idx2, need_b, grown, firsts, slots, _, pages, _ = rk.map_round(
+    code2, j2, i2, n2, g, _, _, out = rk.map_round(
         bundles, bundle_index, active, tokens, nmem, ent, logical_pages, free, 0, 3, 8,
         groups, 0, 64)
-    assert idx2.tolist() == idx.tolist()
     assert (code2, j2) == want
+    assert i2 == (j2 if code2 in (rk.FRONTIER, rk.ENTITLEMENT) else -1)  # its space
+    assert out.dtype == np.int32
     if code != rk.OK:
-        assert len(need_b) == len(grown) == len(slots) == len(pages) == 0
+        assert n2 == g == len(out) == 0
         return
+    assert n2 == total and len(out) == 3 * total + 2 * g
+    need_b, slots, pages = out[:total], out[total:2 * total], out[2 * total:3 * total]
+    grown, firsts = out[3 * total:3 * total + g], out[3 * total + g:]
     grow = [(100 + k, int(nmem[k]), -(-t // P)) for k, t in enumerate(tokens.tolist())
             if -(-t // P) > nmem[k]]
     assert need_b.tolist() == [b for b, have, need in grow for _ in range(need - have)]
     assert grown.tolist() == [b for b, _, _ in grow]
     assert firsts.tolist() == [have for _, have, _ in grow]
     assert slots.tolist() == ([1, 4, 5] + list(range(8, 8 + total)))[:total]
-    assert pages.tolist() == list(range(min(total, 64)))
+    assert pages.tolist() == (list(range(min(total, 64))) + [-1] * total)[:total]
 
 
 @st.composite

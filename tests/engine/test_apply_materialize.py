@@ -1,0 +1,174 @@
+"""``apply(Materialize)`` as one compiled call (``apply_kernels.materialize``) against the
+composition it replaced: ``materialize_plan``, ``new_pages``, ``ensure_members`` and
+``append_members``. Same state after a valid event; a damaged one (unknown, inactive or
+repeated ids, a live slot, a fresh slot out of order, a page group not free) is refused with
+the state digest unchanged — including when the arrays had to grow first."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer_kv.engine import apply_kernels as ak
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.page_life import new_pages
+from ninfer_kv.engine.state import StoreState, digest
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.journal import events as ev
+from tests.engine.conftest import small_config
+
+DAMAGE = ["none", "none", "unknown seq", "inactive seq", "live slot", "skipped fresh slot",
+          "taken page group", "page group twice", "slot twice", "no page group"]
+
+
+def oracle(st_: StoreState, e: ev.Materialize) -> None:
+    """The pre-fusion apply(Materialize): raises on a refusal (state then as it was)."""
+    pool = st_.pools[e.pool]
+    b, slots, devs = ev.unpack(e.bundles), ev.unpack(e.slots), ev.unpack(e.pages)
+    idx, code, _, width = ak.materialize_plan(b, devs, pool.bundle_index, pool.sp_active,
+                                              pool.sp_nmem)
+    if code != ak.OK:
+        raise AssertionError(code)
+    new_pages(pool, slots, devs, b)  # ValueError on a bad slot / page group
+    pool.ensure_members(width)
+    ak.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
+    pool.reserved -= len(b)
+
+
+def a_store(seed: int) -> tuple[KVStore, list[int], int]:
+    """Active sequences with pages, freed slots, one retained checkpoint (inactive)."""
+    rng = random.Random(seed)
+    s = KVStore.open(small_config(None, pages=160, concurrency=6, context=2048, journal=False))
+    live = []
+    for _ in range(5):
+        b = s.activate(64 * rng.randint(1, 4), 64 * 12)
+        s.ensure_mapped(b, "main", 64 * rng.randint(1, 4))
+        live.append(b)
+    with s.boundary():
+        pass
+    s.commit(live[0], "main", 10)
+    ck = s.finish(live.pop(0), retain=True)
+    s.finish(live.pop(rng.randrange(len(live))))  # frees its slots and page groups
+    with s.boundary():
+        pass
+    assert ck is not None
+    return s, live, ck
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.integers(0, 2**16), st.integers(1, 24), st.sampled_from(DAMAGE))
+def test_materialize_equals_the_composition_it_replaced(seed: int, k: int, damage: str) -> None:
+    rng = random.Random(seed)
+    s, live, ck = a_store(seed)
+    pool = s.state.pools["main"]
+    bundles = np.array([rng.choice(live) for _ in range(k)], np.int32)
+    slots = copy.deepcopy(pool).pick_slot_array(k).astype(np.int32)
+    devs = copy.deepcopy(pool.free_pages).lowest_array(k).astype(np.int32)
+    assert len(devs) == k
+    j = rng.randrange(k)
+    live_slot = int(s.space(live[0], "main").slots[0])
+    if damage == "unknown seq":
+        bundles[j] = 999
+    elif damage == "inactive seq":
+        bundles[j] = ck
+    elif damage == "live slot":
+        slots[j] = live_slot
+    elif damage == "skipped fresh slot":
+        slots[j] = pool.n_slots + k + 3
+    elif damage == "taken page group":
+        devs[j] = int(pool.pg_device[live_slot])
+    elif damage == "page group twice" and k > 1:
+        devs[j] = devs[(j + 1) % k]
+    elif damage == "slot twice" and k > 1:
+        slots[j] = slots[(j + 1) % k]
+    elif damage == "no page group":
+        devs[j] = -1
+    e = ev.Materialize("main", ev.pack(bundles), ev.pack(slots), ev.pack(devs))
+    new, old = s.state, copy.deepcopy(s.state)
+    before = digest(new)
+    try:
+        oracle(old, e)
+        refused = False
+    except (AssertionError, ValueError):
+        refused = True
+    if refused:
+        with pytest.raises(AssertionError):
+            apply(new, e)
+        assert digest(new) == before
+        assert len(pool.free_slots) == pool.free_slots.n
+    else:
+        apply(new, e)
+        assert digest(new) == digest(old)
+        p_old = old.pools["main"]
+        assert (pool.free_slots.n, pool.free_pages.n, pool.n_slots) == \
+            (p_old.free_slots.n, p_old.free_pages.n, p_old.n_slots)
+        assert list(pool.free_slots) == list(p_old.free_slots)
+        assert list(pool.free_pages) == list(p_old.free_pages)
+    s.close()
+
+
+def test_materialize_asks_for_room_and_changes_nothing() -> None:
+    """Memberships too narrow, or page arrays too short, for the new pages: ``NO_ROOM`` with
+    the width and length needed, and no array written (a kernel cannot replace arrays)."""
+    bundles = np.array([7, 7, 7], np.int32)
+    slots = np.array([2, 3, 4], np.int32)
+    devs = np.array([0, 1, 2], np.int32)
+    bundle_index = np.full(8, -1, np.int64)
+    bundle_index[7] = 0
+    sp_active = np.ones(1, np.bool_)
+    sp_nmem = np.array([2], np.int64)
+    page_bits = np.ones(4, np.bool_)
+
+    def call(width: int, n_pg: int) -> tuple[tuple[int, ...], list[np.ndarray]]:
+        arrays = [np.full((1, width), -1, np.int32), np.zeros(n_pg, np.bool_)] + \
+            [np.zeros(n_pg, np.int64) for _ in range(8)]
+        members, slot_bits, *pg = arrays
+        nmem = sp_nmem.copy()
+        got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2,
+                             bundle_index, sp_active, nmem, members, slot_bits,
+                             page_bits.copy(), np.zeros(n_pg, np.bool_), *pg)
+        return tuple(int(x) for x in got), [members, nmem, *pg]
+
+    for width, n_pg in ((4, 5), (5, 4)):  # one short each way
+        got, arrays = call(width, n_pg)
+        assert got == (ak.NO_ROOM, -1, 5, 5, 0)
+        assert all(not a.any() or (a == -1).all() for a in arrays if a.ndim == 2)
+        assert arrays[1].tolist() == [2] and not any(a.any() for a in arrays[2:])
+    got, arrays = call(5, 5)
+    assert got == (ak.OK, -1, 0, 3, 5)
+    assert arrays[0].tolist() == [[-1, -1, 2, 3, 4]] and arrays[1].tolist() == [5]
+
+
+def test_materialize_refuses_fields_of_different_lengths() -> None:
+    one, two = np.zeros(1, np.int32).tobytes(), np.zeros(2, np.int32).tobytes()
+    z = np.zeros(4, np.int64)
+    for raws in ((one, one, two), (one, two, one), (two, one, one), (one[:3], one[:3], one[:3])):
+        got = ak.materialize(*raws, 0, z, z.astype(np.bool_), z, np.full((4, 4), -1, np.int32),
+                             z.astype(np.bool_), z.astype(np.bool_), z.astype(np.bool_),
+                             *[z.copy() for _ in range(8)])
+        assert got[0] == ak.LENGTHS
+
+
+def test_commit_on_packed_fields_refuses_different_lengths() -> None:
+    """``apply(CommitFrontiers)`` reads its fields in place (``apply_commit_raw``): fields of
+    different lengths, or not whole int32s, are refused before any frontier moves."""
+    s, live, _ = a_store(1)
+    p = s.state.pools["main"]
+    b = live[0]
+    before = digest(s.state)
+    for bundles, frontiers in (([b], [1, 2]), ([b, b], [1]), ([b], [1])):
+        raw_f = ev.pack(frontiers)
+        if len(bundles) == len(frontiers):
+            raw_f = raw_f[:3]  # a torn int32
+        e = ev.CommitFrontiers("main", ev.pack(bundles), raw_f)
+        with pytest.raises(AssertionError, match="seqs"):
+            apply(s.state, e)
+        assert digest(s.state) == before
+    assert ak.apply_commit_raw(ev.pack([b]), ev.pack([1, 2]), p.bundle_index, p.sp_committed,
+                               p.sp_nmem, p.sp_members, p.pg_committed, p.sp_active) == -2
+    s.close()
