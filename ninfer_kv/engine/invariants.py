@@ -15,6 +15,7 @@ from collections import Counter
 
 import numpy as np
 
+from ninfer_kv.engine import invariant_kernels as ik
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
@@ -66,22 +67,20 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     alive_at = pool.pg_live[:n]
     live = np.flatnonzero(alive_at)
     allocated = _leases(pool, live, out)
-    members = {b: sp.slots.astype(I64) for b, sp in pool.spaces.items()}
-    size = max([n, *(int(m.max()) + 1 for m in members.values() if len(m))])
-    refs = np.zeros(size, I64)
-    active_refs = np.zeros(size, I64)
-    active_keys: list[np.ndarray] = []   # bundle * size + slot of every active membership
+    spaces = [(b, pool.spaces[b]) for b in pool.spaces]  # in bundle order
+    bundles = np.array([b for b, _ in spaces], I64)
+    idx = np.array([sp.i for _, sp in spaces], I64)
+    refs, active_refs, twice, keys, problems = ik.scan_memberships(
+        bundles, idx, pool.sp_members, pool.sp_nmem, pool.sp_committed, pool.sp_active, n,
+        pool.pg_live, pool.pg_committed, pool.pg_device, NO_PAGE)
+    size = len(refs)
+    blocks = _block_messages(pool, bundles, idx, problems)
     reserved = 0
     rows: dict[int, int] = {}
-    for b, sp in pool.spaces.items():
-        mem = members[b]
+    for k, (b, sp) in enumerate(spaces):
         if sp.bundle != b:
             out.append(f"space key {b} != bundle {sp.bundle}")
-        np.add.at(refs, mem, 1)
-        if sp.active:
-            np.add.at(active_refs, mem, 1)
-            active_keys.append(b * size + mem)
-        if len(np.unique(mem)) != sp.nmem:
+        if twice[k]:
             out.append(f"bundle {b}: a page appears twice in one membership")
         if sp.nmem > pool.logical_pages:
             out.append(f"bundle {b}: {sp.nmem} pages > L={pool.logical_pages}")
@@ -104,7 +103,7 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
                 rows[sp.row] = b
         elif sp.row >= 0:
             out.append(f"inactive bundle {b} occupies row {sp.row} (§14)")
-        _blocks(pool, b, sp.committed, sp.active, mem, out)
+        out.extend(blocks.get(k, ()))
     if reserved != pool.reserved:
         out.append(f"reserved {pool.reserved} != sum of active reservations {reserved}")
     available = len(pool.free_pages) - reserved
@@ -114,7 +113,6 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     if rows != pool.row_owner or len(pool.free_rows) + len(rows) != pool.rows or \
             set(pool.free_rows) & set(rows):
         out.append(f"execution rows inconsistent: owners {pool.row_owner} vs spaces {rows}")
-    keys = np.concatenate(active_keys) if active_keys else np.zeros(0, I64)
     _pages(pool, live, refs, active_refs, keys, size, out)
     free = np.flatnonzero(pool.free_slots.bits)
     inside = free[free < n]
@@ -123,26 +121,24 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     return out
 
 
-def _blocks(pool: PoolState, b: int, committed: int, active: bool, mem: np.ndarray,
-            out: list[str]) -> None:
-    """Each block of a membership: a live page holding the committed columns of its block;
-    in an active space, one with a device replica."""
-    alive = np.zeros(len(mem), np.bool_)
-    inside = mem < pool.n_slots
-    alive[inside] = pool.pg_live[mem[inside]]
-    need = np.clip(committed - P * np.arange(len(mem), dtype=I64), 0, P)
-    short = alive & (pool.pg_committed[np.where(alive, mem, 0)] < need)
-    nodev = alive & (pool.pg_device[np.where(alive, mem, 0)] == NO_PAGE) if active else None
-    for i in np.flatnonzero(~alive | short | (nodev if nodev is not None else False)).tolist():
-        s = int(mem[i])
-        if not alive[i]:
-            out.append(f"bundle {b}: block {i} -> dead slot {s}")
-            continue
-        if short[i]:
-            out.append(f"bundle {b}: block {i} page {s} committed "
-                       f"{int(pool.pg_committed[s])} < {int(need[i])}")
-        if nodev is not None and nodev[i]:
-            out.append(f"active bundle {b}: block {i} has no device replica")
+def _block_messages(pool: PoolState, bundles: np.ndarray, idx: np.ndarray,
+                    problems: np.ndarray) -> dict[int, list[str]]:
+    """``scan_memberships``' block problems as messages, by space position: each block of a
+    membership is a live page holding the committed columns of its block, and in an active
+    space one with a device replica."""
+    out: dict[int, list[str]] = {}
+    for k, i, kind, need in problems.tolist():
+        b = int(bundles[k])
+        s = int(pool.sp_members[idx[k], i])
+        msgs = out.setdefault(k, [])
+        if kind == ik.DEAD:
+            msgs.append(f"bundle {b}: block {i} -> dead slot {s}")
+        elif kind == ik.SHORT:
+            msgs.append(f"bundle {b}: block {i} page {s} committed "
+                        f"{int(pool.pg_committed[s])} < {need}")
+        else:
+            msgs.append(f"active bundle {b}: block {i} has no device replica")
+    return out
 
 
 def _pages(pool: PoolState, live: np.ndarray, refs: np.ndarray, active_refs: np.ndarray,

@@ -32,7 +32,7 @@ from numba.core import config
 KERNELS = Path(__file__).parent
 ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
                        ("round_kernels.py", "apply_kernels.py", "free_ids.py", "layout.py",
-                        "msgpack_rows.py"))
+                        "msgpack_rows.py", "invariant_kernels.py"))
 """The control plane's compiled loops (and the page size they bake in) share the cache."""
 log = structlog.get_logger(__name__)
 

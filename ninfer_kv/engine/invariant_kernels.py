@@ -1,0 +1,92 @@
+"""The full §14 check's per-membership pass, compiled (numba ``njit``; engine/invariants.py).
+
+``violations()`` counts each page's memberships and checks each block of every address space.
+Done with numpy per space it cost ~35 µs a space (a dozen small-array calls), most of a
+replay's closing check; here it is one pass over all memberships. It only reads the state;
+``invariants.py`` words every problem it reports.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer_kv.engine.layout import P
+from ninfer_kv.kernels.jit import njit
+
+DEAD, SHORT, NO_DEVICE = 1, 2, 3
+"""``scan_memberships``' problems with a block: its slot holds no live page; the page holds
+fewer committed columns than the frontier needs; an active space's page has no device
+replica."""
+
+
+@njit(nogil=True)
+def scan_memberships(bundles: np.ndarray, idx: np.ndarray, sp_members: np.ndarray,
+                     sp_nmem: np.ndarray, sp_committed: np.ndarray, sp_active: np.ndarray,
+                     n_slots: int, pg_live: np.ndarray, pg_committed: np.ndarray,
+                     pg_device: np.ndarray, no_page: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One pass over the memberships of spaces ``idx`` (of ``bundles``, in that order):
+
+    - ``refs`` / ``arefs``: per slot, the memberships (active ones) that name it (length
+      ``size`` = ``n_slots`` or past the largest member);
+    - ``twice``: per space, a slot named twice (or a length past the membership array);
+    - ``keys``: ``bundle * size + slot`` of every active membership (the writer check);
+    - ``problems``: rows (space position, block, kind, columns needed), in space order then
+      block order, for each block whose slot is dead (or negative), whose page holds fewer
+      committed columns than ``committed - block * P`` (at most P), or, in an active space,
+      whose page has no device replica."""
+    size = n_slots
+    total = 0
+    for k in range(idx.shape[0]):
+        i = idx[k]
+        m = min(sp_nmem[i], sp_members.shape[1])
+        total += max(m, 0)
+        for j in range(m):
+            if sp_members[i, j] + 1 > size:
+                size = sp_members[i, j] + 1
+    refs = np.zeros(size, np.int64)
+    arefs = np.zeros(size, np.int64)
+    seen = np.full(size, -1, np.int64)
+    twice = np.zeros(idx.shape[0], np.bool_)
+    keys = np.empty(total, np.int64)
+    problems = np.empty((2 * total, 4), np.int64)
+    nk = npr = 0
+    for k in range(idx.shape[0]):
+        i = idx[k]
+        c = sp_committed[i]
+        act = sp_active[i]
+        m = sp_nmem[i]
+        if m > sp_members.shape[1]:
+            twice[k] = True
+            m = sp_members.shape[1]
+        for j in range(m):
+            s = sp_members[i, j]
+            if s < 0 or s >= n_slots or not pg_live[s]:
+                problems[npr, 0], problems[npr, 1], problems[npr, 2], problems[npr, 3] = \
+                    k, j, DEAD, 0
+                npr += 1
+                if s < 0:  # damage only: no counts; twice if it repeats an earlier block
+                    for jj in range(j):
+                        if sp_members[i, jj] == s:
+                            twice[k] = True
+                    continue
+            refs[s] += 1
+            if seen[s] == k:
+                twice[k] = True
+            seen[s] = k
+            if act:
+                arefs[s] += 1
+                keys[nk] = bundles[k] * size + s
+                nk += 1
+            if s >= n_slots or not pg_live[s]:
+                continue
+            need = min(max(c - P * j, 0), P)
+            if pg_committed[s] < need:
+                problems[npr, 0], problems[npr, 1], problems[npr, 2], problems[npr, 3] = \
+                    k, j, SHORT, need
+                npr += 1
+            if act and pg_device[s] == no_page:
+                problems[npr, 0], problems[npr, 1], problems[npr, 2], problems[npr, 3] = \
+                    k, j, NO_DEVICE, 0
+                npr += 1
+    return refs, arefs, twice, keys[:nk], problems[:npr]

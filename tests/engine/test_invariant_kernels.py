@@ -1,0 +1,72 @@
+"""``scan_memberships`` (the full §14 check's compiled membership pass) against a plain-Python
+oracle on random, partly damaged memberships: dead, negative and out-of-range slots, a slot
+twice, short columns, pages without a device replica, lengths past the membership array."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer_kv.engine import invariant_kernels as ik
+from ninfer_kv.engine.layout import P
+
+NO_PAGE = -1
+
+
+def oracle(bundles, idx, members, nmem, committed, active, n_slots, live, pg_committed,
+           device):
+    size = max([n_slots, *(int(members[i, j]) + 1 for i in idx
+                           for j in range(min(nmem[i], members.shape[1])))])
+    refs, arefs = [0] * size, [0] * size
+    twice, keys, problems = [], [], []
+    for k, i in enumerate(idx):
+        m = int(nmem[i])
+        row = [int(x) for x in members[i, :m]]
+        twice.append(len(set(row)) != m)
+        c = int(committed[i])
+        for j, s in enumerate(row):
+            alive = 0 <= s < n_slots and bool(live[s])
+            if not alive:
+                problems.append((k, j, ik.DEAD, 0))
+            if s < 0:
+                continue
+            refs[s] += 1
+            if active[i]:
+                arefs[s] += 1
+                keys.append(int(bundles[k]) * size + s)
+            if not alive:
+                continue
+            need = min(max(c - P * j, 0), P)
+            if pg_committed[s] < need:
+                problems.append((k, j, ik.SHORT, need))
+            if active[i] and device[s] == NO_PAGE:
+                problems.append((k, j, ik.NO_DEVICE, 0))
+    return refs, arefs, twice, keys, problems
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 12), st.randoms(use_true_random=False))
+def test_scan_memberships_matches_oracle(n_spaces: int, n_slots: int, rnd) -> None:
+    width = 4
+    members = np.array([[rnd.randint(-1, n_slots + 1) for _ in range(width)]
+                        for _ in range(n_spaces + 1)], np.int32)
+    nmem = np.array([rnd.randint(0, width + 1) for _ in range(n_spaces + 1)], np.int64)
+    committed = np.array([rnd.randint(0, (width + 1) * P) for _ in range(n_spaces + 1)],
+                         np.int64)
+    active = np.array([rnd.random() < 0.6 for _ in range(n_spaces + 1)], np.bool_)
+    idx = np.array(rnd.sample(range(n_spaces + 1), n_spaces), np.int64)
+    bundles = np.array(rnd.sample(range(100), n_spaces), np.int64)
+    live = np.array([rnd.random() < 0.8 for _ in range(n_slots + 2)], np.bool_)
+    pg_committed = np.array([rnd.randint(0, P) for _ in range(n_slots + 2)], np.int64)
+    device = np.array([rnd.choice([NO_PAGE, 3, 7]) for _ in range(n_slots + 2)], np.int64)
+    args = (bundles, idx, members, nmem, committed, active, n_slots, live, pg_committed,
+            device)
+    refs, arefs, twice, keys, problems = ik.scan_memberships(*args, NO_PAGE)
+    want = oracle(*args)
+    # a length past the membership array is a "slot twice" too (fewer distinct than nmem)
+    want_twice = [w or bool(nmem[i] > width) for w, i in zip(want[2], idx, strict=True)]
+    assert refs.tolist() == want[0] and arefs.tolist() == want[1]
+    assert twice.tolist() == want_twice
+    assert keys.tolist() == want[3]
+    assert [tuple(r) for r in problems.tolist()] == want[4]
