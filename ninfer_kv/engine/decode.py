@@ -160,13 +160,13 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     b, f = batch_arrays(bundles, frontiers, "frontiers")
     if not len(b):
         return
-    code, j, blk, idx = rk.commit_round(b, p.bundle_index, p.sp_active, f, p.sp_committed,
-                                        p.sp_nmem, p.sp_members, p.pg_writer, p.pg_pins,
-                                        p.pg_protected)
+    code, j, blk, i, out = rk.commit_round(b, p.bundle_index, p.sp_active, f, p.sp_committed,
+                                           p.sp_nmem, p.sp_members, p.pg_writer, p.pg_pins,
+                                           p.pg_protected)
     if code in (rk.UNKNOWN, rk.DUPLICATE):
         refuse_resolve(p, b, code, j)
     if code == rk.FRONTIER:
-        old, limit = int(p.sp_committed[idx[j]]), int(p.sp_nmem[idx[j]]) * P
+        old, limit = int(p.sp_committed[i]), int(p.sp_nmem[i]) * P
         raise FrontierError(
             f"seq {int(b[j])} pool {p.name}: commit frontier {int(f[j])} outside [committed="
             f"{old}, membership={limit}] (use truncate to move back)")
@@ -174,7 +174,8 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
         raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
     if tx.config.checked and tx.config.allocate_planes:
         checked.check_commit(tx, p.name, b.tolist(), f.tolist())
-    tx._emit(ev.CommitFrontiers(p.name, pack(b), pack(f)))
+    raw, w = out.tobytes(), 4 * len(b)  # seqs, frontiers: as ``pack`` writes them
+    tx._emit(ev.CommitFrontiers(p.name, raw[:w], raw[w:]))
 
 
 def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,

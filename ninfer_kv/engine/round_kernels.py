@@ -182,15 +182,24 @@ def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarr
 def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
                  frontiers: np.ndarray, sp_committed: np.ndarray, sp_nmem: np.ndarray,
                  sp_members: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
-                 pg_protected: np.ndarray) -> tuple[int, int, int, np.ndarray]:
+                 pg_protected: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
     """``commit_many``'s checks in one call: ``resolve`` then ``check_commit``. Returns
-    (code, j, block, idx). Reads only."""
+    (code, j, block, the space index of element ``j``, out): on ``OK``, ``out`` is one int32
+    array holding the sequences then the frontiers — ``CommitFrontiers``' two fields as
+    ``pack`` writes them (one array to box, not two to convert). Reads only."""
+    none = np.empty(0, np.int32)
     idx, code, j = resolve(bundles, bundle_index, sp_active)
     if code != OK:
-        return code, j, -1, idx
+        return code, j, -1, -1, none
     code, j, blk = check_commit(bundles, idx, frontiers, sp_committed, sp_nmem, sp_members,
                                 pg_writer, pg_pins, pg_protected)
-    return code, j, blk, idx
+    if code != OK:
+        return code, j, blk, idx[j], none
+    n = bundles.shape[0]
+    out = np.empty(2 * n, np.int32)
+    out[:n] = bundles
+    out[n:] = frontiers
+    return code, j, blk, -1, out
 
 
 @njit(nogil=True)

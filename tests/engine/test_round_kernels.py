@@ -13,6 +13,7 @@ from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
+from ninfer_kv.journal.events import pack
 
 I64 = np.int64
 
@@ -162,11 +163,15 @@ def test_check_commit_matches_oracle(args):
     bundle_index = np.full(int(bundles.max()) + 2, -1, I64)
     bundle_index[bundles] = idx
     active = np.ones(len(idx), np.bool_)
-    code, j, blk, idx2 = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    code, j, blk, i, out = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
     assert (int(code), int(j), int(blk)) == oracle_check_commit(*args)
-    assert idx2.tolist() == idx.tolist()
+    assert i == (idx[j] if code != rk.OK else -1)  # the space the refusal names
+    if code == rk.OK:  # CommitFrontiers' two fields, as pack writes them
+        assert out.tobytes() == pack(bundles) + pack(rest[0])
+    else:
+        assert len(out) == 0
     active[idx[-1]] = False  # an inactive checkpoint is refused before any frontier rule
-    code, j, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    code, j, _, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
     assert (code, j) == oracle_resolve(bundles.tolist(), bundle_index, active)
 
 
