@@ -143,8 +143,11 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     # engine loads on little-endian machines only: native int32 is the journal's)
     tx._emit(ev.Materialize(p.name, raw[:w], raw[w:2 * w], raw[2 * w:3 * w]))
     tail = out[3 * n:].tolist()  # the g grown sequences, then their first new blocks
-    for bj, first in zip(tail[:g], tail[g:], strict=True):
-        tx._touch(p.name, bj, first)  # publish from the first new block on
+    if g == 1:  # one prompt mapped (activation)
+        tx._touch(p.name, tail[0], tail[1])
+    else:
+        for bj, first in zip(tail[:g], tail[g:], strict=True):
+            tx._touch(p.name, bj, first)  # publish from the first new block on
     tx.stats["materialized"] += n
     return n
 
