@@ -8,6 +8,7 @@ Replay (``ninfer_kv.replay``) calls this function unchanged.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_page, unref
+from ninfer_kv.engine.page_life import I64, members_of, unref
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -77,15 +78,20 @@ def _publish(st: StoreState, e: ev.PublishActive) -> None:
 
 
 def _materialize(st: StoreState, e: ev.Materialize) -> None:
-    """One compiled call on the packed fields (``apply_kernels.materialize``), or two when
-    the arrays must grow first: nothing changes on a refusal."""
-    pool = st.pools[e.pool]
-    assert not (pool.host_of and any(s in pool.host_of for s in unpack(e.slots).tolist())), \
-        f"{e.pool}: a new page's slot still records a host replica"
+    new_members(st.pools[e.pool], e.bundles, e.slots, e.pages, "Materialize")
+
+
+def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, what: str) -> None:
+    """``bundles[i]`` gains a new private page in slot ``slots[i]`` leasing ``pages[i]`` (the
+    packed int32 fields of a Materialize, or one CopyTail's): one compiled call
+    (``apply_kernels.materialize``), or two when the arrays must grow first; nothing changes
+    on a refusal."""
+    assert not (pool.host_of and any(s in pool.host_of for s in unpack(slots).tolist())), \
+        f"{pool.name}: a new page's slot still records a host replica"
     fs, fp = pool.free_slots, pool.free_pages
     for _ in range(2):
         code, j, x, y, z = ak.materialize(
-            e.bundles, e.slots, e.pages, pool.n_slots, pool.bundle_index, pool.sp_active,
+            bundles, slots, pages, pool.n_slots, pool.bundle_index, pool.sp_active,
             pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live, pool.pg_epoch,
             pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
             pool.pg_device, pool.pg_pins)
@@ -97,18 +103,18 @@ def _materialize(st: StoreState, e: ev.Materialize) -> None:
         fs.n -= x
         fp.n -= y
         pool.n_slots = z
-        pool.reserved -= len(e.bundles) // 4
+        pool.reserved -= len(bundles) // 4
         return
-    assert code != ak.LENGTHS, (f"Materialize of {e.pool}: {len(e.bundles)}, {len(e.slots)} and "
-                                f"{len(e.pages)} bytes of seqs, slots and page groups "
+    name = pool.name
+    assert code != ak.LENGTHS, (f"{what} of {name}: {len(bundles)}, {len(slots)} and "
+                                f"{len(pages)} bytes of seqs, slots and page groups "
                                 "(int32 each)")
-    b, slots, devs = unpack(e.bundles), unpack(e.slots), unpack(e.pages)
-    assert code != ak.NO_SPACE, f"Materialize for seq {int(b[j])}, which has no space in {e.pool}"
-    assert code != ak.INACTIVE, f"Materialize of {e.pool}: into an inactive checkpoint"
-    assert code != ak.NO_GROUP, \
-        f"Materialize of {e.pool}: a new page without a page group (§8.1)"
+    b, sl, devs = unpack(bundles), unpack(slots), unpack(pages)
+    assert code != ak.NO_SPACE, f"{what} for seq {int(b[j])}, which has no space in {name}"
+    assert code != ak.INACTIVE, f"{what} of {name}: into an inactive checkpoint"
+    assert code != ak.NO_GROUP, f"{what} of {name}: a new page without a page group (§8.1)"
     raise AssertionError(
-        f"Materialize of {e.pool}: new page {j} in slot {int(slots[j])} with page group "
+        f"{what} of {name}: new page {j} in slot {int(sl[j])} with page group "
         f"{int(devs[j])}: the slot is neither free (and dead) nor the next unused one "
         f"({pool.n_slots} + pages before it), or the page group is not free (§5.2)")
 
@@ -122,7 +128,7 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
                               pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active)
     if bad == -1:
         return
-    assert bad >= 0, (f"CommitFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, "
+    assert bad != ak.COMMIT_LENGTHS, (f"CommitFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, "
                       f"{len(e.frontiers)} of frontiers (int32 each)")
     b, f = unpack(e.bundles), unpack(e.frontiers)
     raise AssertionError(
@@ -330,14 +336,22 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
 def _copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     """§9.3: a private destination page holding the source tail's first ``columns`` columns."""
     assert 0 < e.columns < P, f"CopyTail of {e.dst}: {e.columns} columns (a partial tail)"
-    assert st.pools[e.pool].spaces[e.dst].active, f"CopyTail into {e.dst}: not an active space"
     pool = st.pools[e.pool]
-    dst = pool.spaces[e.dst]
-    new_page(pool, e.slot, e.page, e.dst)
+    dst = pool.spaces.get(e.dst)
+    assert dst is not None and dst.active, f"CopyTail into {e.dst}: not an active space"
+    new_members(pool, _int32(e.dst, "dst"), _int32(e.slot, "slot"), _int32(e.page, "page"),
+                "CopyTail")
     pool.pg_committed[e.slot] = e.columns
-    dst.append_member(e.slot)
     dst.committed = dst.provisional = (dst.nmem - 1) * P + e.columns
-    pool.reserved -= 1
+
+
+_I32 = struct.Struct("<i")
+
+
+def _int32(v: int, what: str) -> bytes:
+    """One event field packed as ``events.pack`` packs an array's (an int32, refused outside)."""
+    assert -(1 << 31) <= v < (1 << 31), f"{what}={v} does not fit the journal's int32"
+    return _I32.pack(v)
 
 
 def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:

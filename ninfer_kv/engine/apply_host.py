@@ -144,17 +144,17 @@ def pin(st: StoreState, e: ev.Pin) -> None:
 def unpin(st: StoreState, e: ev.Unpin) -> None:
     pool = st.pools[e.pool]
     slots = unpack(e.slots)
-    over = [s for s, k in Counter(slots.tolist()).items()
-            if st.copy_pins.get((e.pool, s), 0) < k]
+    counts = Counter(slots.tolist())  # a boundary unpins one source tail once per Fork
+    over = [s for s, k in counts.items() if st.copy_pins.get((e.pool, s), 0) < k]
     assert not over, f"Unpin of {e.pool}: slots {over[:4]} unpinned more often than pinned"
-    for slot in slots.tolist():
+    pins = pool.pg_pins
+    for slot, k in counts.items():
         key = (e.pool, slot)
-        n = st.copy_pins[key]
-        if n == 1:
-            del st.copy_pins[key]
+        n = st.copy_pins[key] - k
+        if n:
+            st.copy_pins[key] = n
         else:
-            st.copy_pins[key] = n - 1
-        page = pool.pages[slot]
-        assert page is not None
-        page.pins -= 1
-    collect(st, pool, slots.astype(I64))
+            del st.copy_pins[key]
+        assert pool.pages[slot] is not None, f"Unpin of {e.pool}: slot {slot} holds no page"
+        pins[slot] -= k
+    collect(st, pool, np.fromiter(counts, I64, len(counts)))

@@ -29,6 +29,7 @@ from ninfer_kv.engine import host
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.args import as_int, one_of
 from ninfer_kv.engine.layout import P, ceil_div
+from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import (
     CapacityExhausted,
@@ -82,128 +83,138 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                             f"S={store.plan.S} (§3.2)")
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
     dst = st.next_bundle
-    plans: dict[str, dict[str, Any]] = {}
+    plans: list[_Plan] = []
     for pool in names:                                          # 1. create / claim
         if hook:
             hook("create", pool)
         if pool not in src_bundle.pools:
             raise UnknownHandle(f"checkpoint {checkpoint} has no address space in pool {pool}")
         f = frontiers[pool]
-        sp = st.pools[pool].spaces[checkpoint]
+        p = st.pools[pool]
+        sp = p.spaces[checkpoint]
         if not 0 <= f <= sp.committed:
             raise FrontierError(f"checkpoint {checkpoint} pool {pool}: frontier {f} beyond its "
                                 f"committed frontier {sp.committed} (§9.2)")
         if f > prompt_tokens:
             raise FrontierError(f"frontier {f} > prompt_tokens {prompt_tokens}")
-        plans[pool] = {"frontier": f,
-                       "entitlement": store.entitlement_pages(pool, prompt_tokens, total)}
-    for pool, pl in plans.items():                              # 2. reserve
+        plans.append(_Plan(pool, p, sp.i, f, store.entitlement_pages(pool, prompt_tokens, total)))
+    want_move = mode == "move" or (mode == "auto" and not keep_source)
+    for pl in plans:                                            # 2. reserve
         if hook:
-            hook("reserve", pool)
-        p = st.pools[pool]
-        sp = p.spaces[checkpoint]
-        f = pl["frontier"]
-        span = ceil_div(f, P)
-        mem = p.sp_members[sp.i, :p.sp_nmem[sp.i]]  # read only
-        move = mode == "move" or (mode == "auto" and not keep_source)
+            hook("reserve", pl.pool)
+        p, f = pl.p, pl.frontier
+        mem = p.sp_members[pl.i, :p.sp_nmem[pl.i]]  # read only
+        move = want_move
         if move:  # a Move takes the pages over: none may have another reference (§9.1)
             shared = mem[p.pg_refs[mem] > 1].tolist()
             if shared and mode == "auto":
                 move = False        # auto: Fork instead
             elif shared:
-                raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} "
+                raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pl.pool} "
                                            f"refused: pages {shared[:8]} still have surviving "
                                            "references (§9.1)")
         if move and keep_source:
             raise WritePermissionError(f"Move of checkpoint {checkpoint} refused: the caller keeps "
                                        "the source, so it would survive (§9.1); use fork")
-        held = span if move else f // P
+        held = ceil_div(f, P) if move else f // P
         tail = not move and f % P != 0
         # pages this activation needs on the device: the held prefix and, for a Fork at a
         # mid-page frontier, the COW source tail — block f // P, right after the prefix
         missing = rk.without_device(mem[:held + tail], p.pg_device).tolist()
-        need = pl["entitlement"] - held + len(missing)
+        need = pl.entitlement - held + len(missing)
         if need > p.available:
-            raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
+            raise CapacityExhausted(f"pool {pl.pool}: continuation needs {need} pages "
                                     f"({len(missing)} to restore from host), {p.available} "
-                                    "available", pool=pool, short=need - p.available)
-        pl["move"], pl["held"], pl["tail"], pl["missing"] = move, held, tail, missing
-    for pool, pl in plans.items():                              # 3. restore Host-only pages
+                                    "available", pool=pl.pool, short=need - p.available)
+        pl.move, pl.held, pl.tail, pl.missing = move, held, tail, missing
+    for pl in plans:                                            # 3. restore Host-only pages
         if hook:
-            hook("restore", pool)
-        p = st.pools[pool]
-        f, missing = pl["frontier"], pl["missing"]
+            hook("restore", pl.pool)
+        p, f, missing = pl.p, pl.frontier, pl.missing
         if missing:
             block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)}
             for s in missing:
                 cols = min(P, f - block[s] * P)  # the columns this continuation reads
                 if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
-                    raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page {pool}:{s} "
-                                        "has neither a device replica nor a valid host replica "
-                                        f"for {cols} columns (§5.1)")
-        n = len(missing) + (1 if pl["tail"] else 0)
+                    raise UnknownHandle(f"checkpoint {checkpoint} pool {pl.pool}: page "
+                                        f"{pl.pool}:{s} has neither a device replica nor a "
+                                        f"valid host replica for {cols} columns (§5.1)")
+        n = len(missing) + pl.tail
         picks = p.pick_pages(n) if n else []
-        pl["restored"] = dict(zip(missing, picks, strict=False)) if missing else {}
-        pl["cow_page"] = picks[-1] if pl["tail"] else -1
-    cows: dict[str, tuple[int, int, int, int]] = {}
-    for pool, pl in plans.items():                              # 4/5. Move or Fork, COW tail
+        pl.restored = dict(zip(missing, picks, strict=False)) if missing else {}
+        if pl.tail:
+            pl.cow_page = picks[-1]
+    for pl in plans:                                            # 4/5. Move or Fork, COW tail
         if hook:
-            hook("move_fork", pool)
-            hook("cow", pool)
-        p = st.pools[pool]
-        if pl["tail"]:
-            src_slot = p.spaces[checkpoint].member(pl["frontier"] // P)
-            src_page = pl["restored"].get(src_slot,
-                                          p.pages[src_slot].device)  # type: ignore[union-attr]
-            cows[pool] = (p.pick_slots(1)[0], pl["cow_page"], src_slot, src_page)
-    rows = {}
-    for pool in plans:                                          # 6. lease rows
+            hook("move_fork", pl.pool)
+            hook("cow", pl.pool)
+        if pl.tail:
+            p = pl.p
+            src_slot = int(p.sp_members[pl.i, pl.frontier // P])
+            src_page = pl.restored.get(src_slot, int(p.pg_device[src_slot]))
+            pl.cow = (p.pick_slots(1)[0], pl.cow_page, src_slot, src_page)
+    for pl in plans:                                            # 6. lease rows
         if hook:
-            hook("rows", pool)
-        p = st.pools[pool]
-        if not p.free_rows:
-            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased",
-                                    pool=pool)
-        rows[pool] = p.free_rows.first()
-    for pool in plans:                                          # 7/8. tables, publish
+            hook("rows", pl.pool)
+        if not pl.p.free_rows:
+            raise CapacityExhausted(f"pool {pl.pool}: all {pl.p.rows} execution rows are "
+                                    "leased", pool=pl.pool)
+        pl.row = pl.p.free_rows.first()
+    for pl in plans:                                            # 7/8. tables, publish
         if hook:
-            hook("tables", pool)
-            hook("publish", pool)
+            hook("tables", pl.pool)
+            hook("publish", pl.pool)
     # --- everything is planned: emit -------------------------------------------------------------
     events: list[Any] = []
-    for pool, pl in plans.items():
-        f = pl["frontier"]
-        events.append(ev.Activate(dst, pool, pl["entitlement"], rows[pool], total,
-                                  prompt_tokens, pl["held"]))
+    for pl in plans:
+        pool, f = pl.pool, pl.frontier
+        events.append(ev.Activate(dst, pool, pl.entitlement, pl.row, total, prompt_tokens,
+                                  pl.held))
         # pin what the boundary's copies read: restored pages (their host replica) and the
         # COW source tail, so no command before the boundary can free or replace them (§5.3)
-        read = list(pl["restored"]) + ([cows[pool][2]] if pool in cows else [])
+        read = [*pl.restored, pl.cow[2]] if pl.tail else list(pl.restored)
         if read:  # released by the Unpin the boundary journals after the copies ran
             events.append(ev.Pin(pool, ev.pack(read)))
-        if pl["restored"]:
-            slots = list(pl["restored"])
+        if pl.restored:
+            slots = list(pl.restored)
             events.append(ev.DeviceRestore(pool, ev.pack(slots),
-                                           ev.pack([pl["restored"][x] for x in slots])))
-        if pl["move"]:
+                                           ev.pack([pl.restored[x] for x in slots])))
+        if pl.move:
             events.append(ev.Move(checkpoint, dst, pool, f))
         else:
             events.append(ev.Fork(checkpoint, dst, pool, f // P, f))
-            if pool in cows:
-                slot, page, src_slot, src_page = cows[pool]
+            if pl.tail:
+                slot, page, src_slot, src_page = pl.cow
                 events.append(ev.CopyTail(dst, pool, slot, page, src_slot, src_page, f % P))
     events.append(ev.PublishActive(dst))
-    if not keep_source and any(not pl["move"] for pl in plans.values()):
-        events.extend(ev.Release(checkpoint, pool) for pool, pl in plans.items()
-                      if not pl["move"])
+    if not keep_source and any(not pl.move for pl in plans):
+        events.extend(ev.Release(checkpoint, pl.pool) for pl in plans if not pl.move)
     store._emit(*events)
-    copies = any(pl["tail"] or pl["restored"] for pl in plans.values())
+    copies = any(pl.tail or pl.restored for pl in plans)
     for e in events if copies else ():
         if type(e) in _EFFECTS:  # device copies the boundary runs, in emission order
             store._effects.append(e)
             store.stats["cow_copies"] += type(e) is ev.CopyTail
-    for pool in plans:
-        store._touch(pool, dst, 0)
+    for pl in plans:
+        store._touch(pl.pool, dst, 0)
     return dst
+
+
+class _Plan:
+    """One pool's activation plan (§7.3), filled in step by step before anything is emitted."""
+
+    __slots__ = ("pool", "p", "i", "frontier", "entitlement", "move", "held", "tail", "missing",
+                 "restored", "cow_page", "cow", "row")
+
+    def __init__(self, pool: str, p: PoolState, i: int, frontier: int, entitlement: int
+                 ) -> None:
+        self.pool, self.p, self.i = pool, p, i  # the checkpoint's space index in ``p``
+        self.frontier, self.entitlement = frontier, entitlement
+        self.move = self.tail = False
+        self.held = self.cow_page = self.row = -1
+        self.missing: list[int] = []
+        self.restored: dict[int, int] = {}    # Host-only slot -> the device page it gets
+        self.cow: tuple[int, int, int, int] = (-1, -1, -1, -1)  # slot, page, src slot, src page
 
 
 
