@@ -116,6 +116,7 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/decode.py", "filter", ("writable",)),
     Target("engine/round_kernels.py", "filter", ops=("guard",)),
     Target("engine/apply_kernels.py", "filter", ops=("guard",)),
+    Target("engine/invariant_kernels.py", "filter", ops=("guard",)),
     Target("engine/continuation.py", "filter", ("unrecoverable_reason",)),
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
@@ -125,7 +126,7 @@ TARGETS: tuple[Target, ...] = (
                                                 "recover_state")),
 )
 
-VERDICT_NAMES = frozenset({"bad", "reason", "durable_later"})
+VERDICT_NAMES = frozenset({"bad", "reason", "durable_later", "twice"})
 """An ``if`` whose body assigns one of these is a validity check (guard op)."""
 
 # --- which tests --------------------------------------------------------------------------------
@@ -179,7 +180,10 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
                                                    "lock.py", "args.py")),
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
+    ("engine/invariant_kernels.py", ["tests/engine/test_invariant_kernels.py", *INCREMENTAL,
+                                     *ENGINE], MACHINE),
     ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_round_kernels.py",
+                          "tests/engine/test_apply_materialize.py",
                           "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
                           *ENGINE], MACHINE),
@@ -409,14 +413,24 @@ def _stringish(e: ast.expr | None) -> bool:
 
 REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE",
                            "NO_SPACE", "INACTIVE", "NO_GROUP", "FORK_ACTIVE_SOURCE",
-                           "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE"})
+                           "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE",
+                           "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "DEAD", "SHORT",
+                           "NO_DEVICE"})
 """engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is
-a check (guard op)."""
+a check (guard op); so is one recording a problem row that names one
+(engine/invariant_kernels.py)."""
 
 
 def _returns_code(value: ast.expr | None) -> bool:
     parts = value.elts if isinstance(value, ast.Tuple) else [value]
     return any(isinstance(p, ast.Name) and p.id in REFUSAL_CODES for p in parts)
+
+
+def _target_name(t: ast.expr) -> str | None:
+    """The name assigned: ``x = ...`` or ``x[i] = ...``."""
+    if isinstance(t, ast.Subscript):
+        t = t.value
+    return t.id if isinstance(t, ast.Name) else None
 
 
 def _is_guard(stmt: ast.If) -> bool:
@@ -427,8 +441,8 @@ def _is_guard(stmt: ast.If) -> bool:
             return True
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Yield) and _stringish(s.value.value):
             return True
-        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id in VERDICT_NAMES
-                                             for t in s.targets):
+        if isinstance(s, ast.Assign) and (_returns_code(s.value) or any(
+                _target_name(t) in VERDICT_NAMES for t in s.targets)):
             return True
     return False
 

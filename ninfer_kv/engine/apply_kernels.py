@@ -59,14 +59,18 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
     return -1
 
 
+COMMIT_LENGTHS = -2
+"""``apply_commit_raw``: the two fields are not equally many int32s."""
+
+
 @njit(nogil=True)
 def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
                      sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
                      pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
-    """``apply_commit`` on the event's packed fields (``int32s``); -2 when their lengths
-    differ (nothing applied)."""
+    """``apply_commit`` on the event's packed fields (``int32s``); ``COMMIT_LENGTHS`` when
+    their lengths differ (nothing applied)."""
     if len(b_raw) % 4 or len(f_raw) != len(b_raw):
-        return -2
+        return COMMIT_LENGTHS
     return apply_commit(int32s(b_raw), int32s(f_raw), bundle_index, sp_committed, sp_nmem,
                         sp_members, pg_committed, sp_active)
 
