@@ -91,10 +91,10 @@ def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, wha
     fs, fp = pool.free_slots, pool.free_pages
     for _ in range(2):
         code, j, x, y, z = ak.materialize(
-            bundles, slots, pages, pool.n_slots, pool.bundle_index, pool.sp_active,
-            pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live, pool.pg_epoch,
-            pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
-            pool.pg_device, pool.pg_pins)
+            bundles, slots, pages, pool.n_slots, pool.logical_pages, pool.bundle_index,
+            pool.sp_active, pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live,
+            pool.pg_epoch, pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active,
+            pool.pg_writer, pool.pg_device, pool.pg_pins)
         if code != ak.NO_ROOM:
             break
         pool.ensure_members(x)
@@ -113,6 +113,8 @@ def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, wha
     assert code != ak.NO_SPACE, f"{what} for seq {int(b[j])}, which has no space in {name}"
     assert code != ak.INACTIVE, f"{what} of {name}: into an inactive checkpoint"
     assert code != ak.NO_GROUP, f"{what} of {name}: a new page without a page group (§8.1)"
+    assert code != ak.TOO_WIDE, \
+        f"{what} of {name}: a membership of {x} pages, past L={pool.logical_pages} (§14)"
     raise AssertionError(
         f"{what} of {name}: new page {j} in slot {int(sl[j])} with page group "
         f"{int(devs[j])}: the slot is neither free (and dead) nor the next unused one "

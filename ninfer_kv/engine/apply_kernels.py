@@ -133,13 +133,21 @@ def take_new_pages(slots: np.ndarray, devs: np.ndarray, n_slots: int, slot_bits:
                 break
     if bad < 0:
         return -1, reused, taken, nxt
-    for k in range(bad):  # undo: nothing taken
+    give_back(slots, devs, bad, n_slots, slot_bits, page_bits)  # undo: nothing taken
+    return bad, 0, 0, n_slots
+
+
+@njit(nogil=True)
+def give_back(slots: np.ndarray, devs: np.ndarray, upto: int, n_slots: int,
+              slot_bits: np.ndarray, page_bits: np.ndarray) -> None:
+    """Undo ``take_new_pages`` for elements ``0..upto``: their reused slots and their page
+    groups are free again."""
+    for k in range(upto):
         s, d = slots[k], devs[k]
         if s < n_slots:
             slot_bits[s] = True
         if d != -1:
             page_bits[d] = True
-    return bad, 0, 0, n_slots
 
 
 @njit(nogil=True)
@@ -255,13 +263,14 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
     return idx, OK, -1, width
 
 
-NO_ROOM, BAD_SLOT, LENGTHS = 4, 5, 6
+NO_ROOM, BAD_SLOT, LENGTHS, TOO_WIDE = 4, 5, 6, 7
 """``materialize``'s other answers: the arrays must grow first (nothing changed), a slot or
-page group that is not free (``take_new_pages``' rule), fields of different lengths."""
+page group that is not free (``take_new_pages``' rule), fields of different lengths, a
+membership past L."""
 
 
 @njit(nogil=True)
-def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int,
+def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int, logical_pages: int,
                 bundle_index: np.ndarray, sp_active: np.ndarray, sp_nmem: np.ndarray,
                 sp_members: np.ndarray, slot_bits: np.ndarray, page_bits: np.ndarray,
                 pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
@@ -269,31 +278,32 @@ def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int,
                 pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray
                 ) -> tuple[int, int, int, int, int]:
     """``apply(Materialize)`` in one call (§5.2, §8.1), on the event's packed fields
-    (sequences, slots, page groups): ``materialize_plan``'s checks, then ``take_new_pages``,
-    ``init_new_pages`` (each page written by its sequence) and ``append_members``. Returns
-    (code, j, a, b, c):
+    (sequences, slots, page groups): ``materialize_plan``'s checks, no membership past L,
+    ``take_new_pages``, then ``init_new_pages`` (each page written by its sequence) and
+    ``append_members``. Returns (code, j, a, b, c):
 
     - ``OK``: (slots reused, page groups taken, the new ``n_slots``) in a, b, c;
     - ``NO_ROOM``: the memberships need width ``a`` or the page arrays length ``b``; nothing
-      changed, the caller grows them and calls again (a kernel cannot replace arrays);
-    - ``LENGTHS``, a ``materialize_plan`` refusal or ``BAD_SLOT`` at element ``j``: nothing
-      changed."""
+      changed, the caller grows them and calls again (a kernel cannot replace arrays). Every
+      rule is checked first, so a damaged event never makes the arrays grow: the width is
+      at most L, and each never-used slot takes a free page group;
+    - ``LENGTHS``, a ``materialize_plan`` refusal, ``TOO_WIDE`` (``a`` = the width) or
+      ``BAD_SLOT`` at element ``j``: nothing changed."""
     if len(b_raw) % 4 or len(s_raw) != len(b_raw) or len(d_raw) != len(b_raw):
         return LENGTHS, -1, 0, 0, 0
     bundles, slots, devs = int32s(b_raw), int32s(s_raw), int32s(d_raw)
     idx, code, j, width = materialize_plan(bundles, devs, bundle_index, sp_active, sp_nmem)
     if code != OK:
         return code, j, 0, 0, 0
-    nxt = n_slots  # the new n_slots if every slot is valid: never-used ones come in order
-    for k in range(slots.shape[0]):
-        if slots[k] == nxt:
-            nxt += 1
-    if width > sp_members.shape[1] or nxt > pg_live.shape[0]:
-        return NO_ROOM, -1, width, nxt, 0
+    if width > logical_pages:
+        return TOO_WIDE, -1, width, 0, 0
     j, reused, taken, n_new = take_new_pages(slots, devs, n_slots, slot_bits, page_bits,
                                              pg_live)
     if j >= 0:
         return BAD_SLOT, j, 0, 0, 0
+    if width > sp_members.shape[1] or n_new > pg_live.shape[0]:
+        give_back(slots, devs, slots.shape[0], n_slots, slot_bits, page_bits)
+        return NO_ROOM, -1, width, n_new, 0
     init_new_pages(slots, devs, bundles, 1, pg_live, pg_epoch, pg_committed, pg_protected,
                    pg_refs, pg_active, pg_writer, pg_device, pg_pins)
     append_members(idx, slots, sp_members, sp_nmem)

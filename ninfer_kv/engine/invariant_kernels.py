@@ -29,10 +29,12 @@ def scan_memberships(bundles: np.ndarray, idx: np.ndarray, sp_members: np.ndarra
 
     - ``refs`` / ``arefs``: per slot, the memberships (active ones) that name it (length
       ``size`` = ``n_slots`` or past the largest member);
-    - ``twice``: per space, a slot named twice (or a length past the membership array);
+    - ``twice``: per space, a slot named twice (or a length past the membership array, or
+      negative);
     - ``keys``: ``bundle * size + slot`` of every active membership (the writer check);
     - ``problems``: rows (space position, block, kind, columns needed), in space order then
-      block order, for each block whose slot is dead (or negative), whose page holds fewer
+      block order, for each block whose slot is dead (or negative: it names no page, so it is
+      counted nowhere), whose page holds fewer
       committed columns than ``committed - block * P`` (at most P), or, in an active space,
       whose page has no device replica."""
     size = n_slots
@@ -56,9 +58,9 @@ def scan_memberships(bundles: np.ndarray, idx: np.ndarray, sp_members: np.ndarra
         c = sp_committed[i]
         act = sp_active[i]
         m = sp_nmem[i]
-        if m > sp_members.shape[1]:
+        if m > sp_members.shape[1] or m < 0:  # a length that counts no membership
             twice[k] = True
-            m = sp_members.shape[1]
+            m = min(max(m, 0), sp_members.shape[1])
         for j in range(m):
             s = sp_members[i, j]
             if s < 0 or s >= n_slots or not pg_live[s]:

@@ -157,9 +157,9 @@ class KVStore(StoreCore):
     # --- mapping (§8.1) -------------------------------------------------------------------------
     def ensure_mapped(self, bundle: int, pool: str | PoolKind, tokens: int) -> int:
         """``ensure_mapped_to_tokens``: a lower bound. Returns the pages materialized."""
+        b, t = one_pair("seq", bundle, "tokens", tokens)  # arguments first, as commit checks
         self._usable("ensure_mapped")
-        return decode.ensure_mapped_many(self, self._pool(pool),
-                                         *one_pair("seq", bundle, "tokens", tokens))
+        return decode.ensure_mapped_many(self, self._pool(pool), b, t)
 
     def ensure_mapped_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                            tokens: Sequence[int] | np.ndarray) -> int:

@@ -128,30 +128,60 @@ def test_materialize_asks_for_room_and_changes_nothing() -> None:
         arrays = [np.full((1, width), -1, np.int32), np.zeros(n_pg, np.bool_)] + \
             [np.zeros(n_pg, np.int64) for _ in range(8)]
         members, slot_bits, *pg = arrays
-        nmem = sp_nmem.copy()
-        got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2,
-                             bundle_index, sp_active, nmem, members, slot_bits,
-                             page_bits.copy(), np.zeros(n_pg, np.bool_), *pg)
-        return tuple(int(x) for x in got), [members, nmem, *pg]
+        nmem, groups = sp_nmem.copy(), page_bits.copy()
+        got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2, 16,
+                             bundle_index, sp_active, nmem, members, slot_bits, groups,
+                             np.zeros(n_pg, np.bool_), *pg)
+        return tuple(int(x) for x in got), [members, nmem, groups, *pg]
 
     for width, n_pg in ((4, 5), (5, 4)):  # one short each way
         got, arrays = call(width, n_pg)
         assert got == (ak.NO_ROOM, -1, 5, 5, 0)
         assert all(not a.any() or (a == -1).all() for a in arrays if a.ndim == 2)
-        assert arrays[1].tolist() == [2] and not any(a.any() for a in arrays[2:])
+        assert arrays[1].tolist() == [2] and not any(a.any() for a in arrays[3:])
+        assert arrays[2].all()  # the page groups it took are free again
+    page_bits[1] = False  # a page group not free: refused before the arrays would grow
+    for width, n_pg in ((4, 5), (5, 4)):
+        got, arrays = call(width, n_pg)
+        assert got[:2] == (ak.BAD_SLOT, 1)
+        assert arrays[2].tolist() == [True, False, True, True] and arrays[1].tolist() == [2]
+    page_bits[1] = True
     got, arrays = call(5, 5)
     assert got == (ak.OK, -1, 0, 3, 5)
     assert arrays[0].tolist() == [[-1, -1, 2, 3, 4]] and arrays[1].tolist() == [5]
+    assert arrays[2].tolist() == [False, False, False, True]
 
 
 def test_materialize_refuses_fields_of_different_lengths() -> None:
     one, two = np.zeros(1, np.int32).tobytes(), np.zeros(2, np.int32).tobytes()
     z = np.zeros(4, np.int64)
     for raws in ((one, one, two), (one, two, one), (two, one, one), (one[:3], one[:3], one[:3])):
-        got = ak.materialize(*raws, 0, z, z.astype(np.bool_), z, np.full((4, 4), -1, np.int32),
+        got = ak.materialize(*raws, 0, 4, z, z.astype(np.bool_), z, np.full((4, 4), -1, np.int32),
                              z.astype(np.bool_), z.astype(np.bool_), z.astype(np.bool_),
                              *[z.copy() for _ in range(8)])
         assert got[0] == ak.LENGTHS
+
+
+def test_a_membership_past_l_is_refused_before_any_array_grows() -> None:
+    """Review repro: the arrays grew to what a damaged event asked before it was refused
+    (here a membership past L; with never-used slots, as many as the event listed), so an
+    event of a few MB made apply allocate GBs, a MemoryError replay does not turn into a
+    refusal. Every rule is now checked before NO_ROOM (for the slot rules see
+    ``test_materialize_asks_for_room_and_changes_nothing``)."""
+    s, live, _ = a_store(3)
+    pool = s.state.pools["main"]
+    k = pool.logical_pages + 1
+    slots = np.arange(pool.n_slots, pool.n_slots + k, dtype=np.int32)
+    devs = copy.deepcopy(pool.free_pages).lowest_array(k).astype(np.int32)
+    assert len(devs) == k
+    e = ev.Materialize("main", ev.pack([live[0]] * k), ev.pack(slots), ev.pack(devs))
+    shapes = (pool.sp_members.shape, pool.pg_live.shape, pool.free_slots.bits.shape)
+    before = digest(s.state)
+    with pytest.raises(AssertionError, match="past L"):
+        apply(s.state, e)
+    assert digest(s.state) == before
+    assert (pool.sp_members.shape, pool.pg_live.shape, pool.free_slots.bits.shape) == shapes
+    s.close()
 
 
 def test_commit_on_packed_fields_refuses_different_lengths() -> None:
@@ -161,11 +191,13 @@ def test_commit_on_packed_fields_refuses_different_lengths() -> None:
     p = s.state.pools["main"]
     b = live[0]
     before = digest(s.state)
-    for bundles, frontiers in (([b], [1, 2]), ([b, b], [1]), ([b], [1])):
-        raw_f = ev.pack(frontiers)
-        if len(bundles) == len(frontiers):
-            raw_f = raw_f[:3]  # a torn int32
-        e = ev.CommitFrontiers("main", ev.pack(bundles), raw_f)
+    for bundles, frontiers, torn in (([b], [1, 2], 0), ([b, b], [1], 0), ([b], [1], 1),
+                                     ([b], [1], 2)):
+        raw_b, raw_f = ev.pack(bundles), ev.pack(frontiers)
+        if torn:  # a torn int32: in one field, or in both alike
+            raw_f = raw_f[:3]
+            raw_b = raw_b[:3] if torn == 2 else raw_b
+        e = ev.CommitFrontiers("main", raw_b, raw_f)
         with pytest.raises(AssertionError, match="seqs"):
             apply(s.state, e)
         assert digest(s.state) == before
