@@ -414,8 +414,9 @@ def _stringish(e: ast.expr | None) -> bool:
 REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE",
                            "NO_SPACE", "INACTIVE", "NO_GROUP", "FORK_ACTIVE_SOURCE",
                            "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE",
-                           "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "DEAD", "SHORT",
-                           "NO_DEVICE"})
+                           "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "TOO_WIDE",
+                           "DEAD", "SHORT", "NO_DEVICE", "C_NO_SPACE", "C_ORDER", "C_DEAD",
+                           "C_SHORT", "C_RANGE", "C_NEGATIVE"})
 """engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is
 a check (guard op); so is one recording a problem row that names one
 (engine/invariant_kernels.py)."""

@@ -30,7 +30,7 @@ NO_ROW = -1
 
 
 class KVAddressSpace:
-    __slots__ = ("_p", "i", "bundle", "pool", "provisional", "protected", "row", "incoming")
+    __slots__ = ("_p", "i", "bundle", "pool", "provisional", "row", "incoming")
 
     def __init__(self, p: PoolState, bundle: int, entitlement: int, row: int) -> None:
         self._p = p
@@ -39,10 +39,10 @@ class KVAddressSpace:
         self.pool = p.name
         p.sp_nmem[self.i] = 0          # membership: logical block b -> page slot
         p.sp_committed[self.i] = 0     # canonical token frontier
+        p.sp_protected[self.i] = 0     # checkpoint-protected frontier
         p.sp_entitlement[self.i] = entitlement  # pages guaranteed (membership + reservation)
         p.sp_active[self.i] = True
         self.provisional = 0           # speculative frontier; never committed coverage
-        self.protected = 0             # checkpoint-protected frontier
         self.row = row                 # execution row, NO_ROW when inactive
         self.incoming = 0              # pages a Move/Fork of this record still hands over
 
@@ -94,6 +94,7 @@ class KVAddressSpace:
         return dropped
 
     committed = ArrayField("sp_committed", "i")
+    protected = ArrayField("sp_protected", "i")
     entitlement = ArrayField("sp_entitlement", "i")
     active = ArrayField("sp_active", "i", bool)
 

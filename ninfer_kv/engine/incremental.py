@@ -87,7 +87,8 @@ class IncrementalChecker:
             for b, sp in pool.spaces.items():
                 m = pm.spaces[b] = SpaceMirror()
                 m.members, m.mset = list(sp.members), set(sp.members)
-                m.active, m.ent, m.committed = sp.active, sp.entitlement, sp.committed
+                m.active, m.ent = sp.active, sp.entitlement
+                pm.see_committed(b, sp.committed)
                 pm.extend(max(sp.members, default=-1) + 1)
                 for s in sp.members:
                     pm.refs[s] += 1
@@ -134,6 +135,7 @@ class IncrementalChecker:
             if sp is None:
                 return
             m = pm.spaces[b] = SpaceMirror()
+            pm.see_committed(b, 0)
         old = m.members
         if sp is None:
             new: list[int] = []
@@ -197,11 +199,11 @@ class IncrementalChecker:
                 out.append(f"active bundle {b} holds no execution row")
             elif not active and row >= 0:
                 out.append(f"inactive bundle {b} occupies row {row} (§14)")
-        oc = m.committed
+        oc = pm.seen_committed(b)
         lo, hi = min(k, (oc if oc < c else c) // P), min(n_new, -(-(c if c > oc else oc) // P))
         if lo < hi:  # blocks whose need moved; pages in ``touched`` get the page checks
             columns(pool.pages, new, c, lo, hi, 0 if flip else k, b, out)
-        m.committed = c
+        pm.see_committed(b, c)
         contrib = ent - n_new - (sp.incoming if sp is not None else 0) if active else 0
         pm.reserved += contrib - m.contrib
         m.contrib, m.active, m.ent = contrib, active, ent
@@ -211,6 +213,7 @@ class IncrementalChecker:
             m.row = r_new
         if sp is None:
             del pm.spaces[b]
+            pm.forget(b)
 
     def _move_row(self, pool: PoolState, pm: PoolMirror, b: int, r_old: int, r_new: int,
                   out: list[str]) -> None:

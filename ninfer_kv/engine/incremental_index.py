@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ninfer_kv.engine import invariant_kernels as ik
 from ninfer_kv.engine.address_space import NO_ROW
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import unpack
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.incremental_host import HostMirror
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class SpaceMirror:
     """What the checker last saw of one address space."""
 
-    __slots__ = ("members", "mset", "active", "ent", "row", "committed", "contrib")
+    __slots__ = ("members", "mset", "active", "ent", "row", "contrib")
 
     def __init__(self) -> None:
         self.members: list[int] = []
@@ -37,7 +37,6 @@ class SpaceMirror:
         self.active = False
         self.ent = 0
         self.row = NO_ROW          # leased row (only while active)
-        self.committed = 0
         self.contrib = 0           # entitlement - len(members) while active, else 0
 
 
@@ -45,7 +44,7 @@ class PoolMirror:
     """The checker's own indexes of one pool."""
 
     __slots__ = ("name", "refs", "arefs", "dev", "lease", "reserved", "rows", "spaces",
-                 "pend", "copy")
+                 "pend", "copy", "committed")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -58,6 +57,24 @@ class PoolMirror:
         self.spaces: dict[int, SpaceMirror] = {}
         self.pend: dict[int, int] = {}     # slot -> pending host transfers
         self.copy: dict[int, int] = {}     # slot -> queued device copies (Pin - Unpin)
+        # bundle -> the committed frontier last seen of its space (ik.ABSENT: no space);
+        # an array, so the commit check (the hot path) runs compiled
+        self.committed = np.full(64, ik.ABSENT, np.int64)
+
+    def seen_committed(self, b: int) -> int:
+        return int(self.committed[b])
+
+    def see_committed(self, b: int, c: int) -> None:
+        if b >= len(self.committed):
+            grown = np.full(max(b + 1, 2 * len(self.committed)), ik.ABSENT, np.int64)
+            grown[:len(self.committed)] = self.committed
+            self.committed = grown
+        self.committed[b] = c
+
+    def forget(self, b: int) -> None:
+        """Space ``b`` is gone from the mirror."""
+        if b < len(self.committed):
+            self.committed[b] = ik.ABSENT
 
     def extend(self, n: int) -> None:
         k = n - len(self.refs)
@@ -172,46 +189,23 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
 
 def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: list[str]) -> None:
     """CommitFrontiers: per bundle the frontier order, then every block between the old and
-    the new committed frontier holds the columns it needs (a decode step: one block). Reads
-    the pool's arrays directly: this is a verified replay's hot path."""
-    spaces, ms = pool.spaces, pm.spaces
-    n_pages, p = pool.n_slots, P
-    live, pgc, pgp = pool.pg_live, pool.pg_committed, pool.pg_protected
-    spc, spn, spm = pool.sp_committed, pool.sp_nmem, pool.sp_members
-    for b in unpack(e.bundles).tolist():
-        sp = spaces.get(b)
-        m = ms.get(b)
-        if sp is None or m is None:
-            out.append(f"commit names bundle {b} without a space in {e.pool}")
-            continue
-        k = sp.i
-        c, n = int(spc[k]), int(spn[k])
-        oc = m.committed
-        m.committed = c
-        if not sp.protected <= c <= n * p:
-            out.append(f"bundle {b}: frontiers protected={sp.protected} committed={c} "
-                       f"membership={n * p} out of order (commit)")
-        if oc < c:
-            i, hi = oc // p, (c + p - 1) // p
+    the new committed frontier holds the columns it needs (a decode step: one block). One
+    compiled pass over the pool's arrays (``invariant_kernels.check_commit``): this is a
+    verified replay's hot path."""
+    rows = ik.check_commit(e.bundles, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
+                           pool.sp_protected, pool.sp_members, pool.n_slots, pool.pg_live,
+                           pool.pg_committed, pool.pg_protected, pm.committed)
+    for kind, x, a, b, c, d in rows.tolist():
+        if kind == ik.C_NO_SPACE:
+            out.append(f"commit names bundle {x} without a space in {e.pool}")
+        elif kind == ik.C_ORDER:
+            out.append(f"bundle {x}: frontiers protected={a} committed={b} membership={c} out "
+                       "of order (commit)")
+        elif kind == ik.C_DEAD:
+            out.append(f"bundle {x}: block {a} -> dead slot {b} (committed block)")
+        elif kind == ik.C_SHORT:
+            out.append(f"bundle {x}: block {a} page {b} committed {c} < {d} (commit)")
+        elif kind == ik.C_RANGE:
+            out.append(f"page {x} columns protected={a} committed={b} out of range (commit)")
         else:
-            i, hi = c // p, (oc + p - 1) // p
-        if hi > n:
-            hi = n
-        if i < 0:  # a negative frontier (damage, reported above or at its event): from 0
-            i = 0
-        while i < hi:  # ``columns``, inlined
-            s = int(spm[k, i])
-            if s < 0:
-                pool.pages[s]  # IndexError naming the slot, as a page view read raises
-            if s >= n_pages or not live[s]:
-                out.append(f"bundle {b}: block {i} -> dead slot {s} (committed block)")
-            else:
-                pc, pr = int(pgc[s]), int(pgp[s])
-                need = c - i * p
-                if pc < (need if need < p else p):
-                    out.append(f"bundle {b}: block {i} page {s} committed {pc} < "
-                               f"{min(p, need)} (commit)")
-                if not 0 <= pr <= pc <= p:
-                    out.append(f"page {s} columns protected={pr} committed={pc} out "
-                               "of range (commit)")
-            i += 1
+            pool.pages[x]  # IndexError naming the slot, as a page view read raises

@@ -92,3 +92,76 @@ def scan_memberships(bundles: np.ndarray, idx: np.ndarray, sp_members: np.ndarra
                     k, j, NO_DEVICE, 0
                 npr += 1
     return refs, arefs, twice, keys[:nk], problems[:npr]
+
+
+ABSENT = -(1 << 63)
+"""``check_commit``'s mirror: no space of that bundle seen."""
+
+C_NO_SPACE, C_ORDER, C_DEAD, C_SHORT, C_RANGE, C_NEGATIVE = 1, 2, 3, 4, 5, 6
+"""``check_commit``'s problems: a bundle without a space (in the pool or the checker's
+mirror); frontiers out of order; a dead slot, short columns or columns out of range in a
+block the commit moved across; a negative slot (the caller raises as a page read would)."""
+
+
+@njit(nogil=True)
+def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarray,
+                 sp_nmem: np.ndarray, sp_protected: np.ndarray, sp_members: np.ndarray,
+                 n_slots: int, pg_live: np.ndarray, pg_committed: np.ndarray,
+                 pg_protected: np.ndarray, mirror: np.ndarray) -> np.ndarray:
+    """The incremental checker's CommitFrontiers (``incremental_index.check_commit``), after
+    apply, on the event's packed seqs: per bundle, ``protected <= committed <= membership``,
+    then every block between the committed frontier the checker last saw (``mirror[b]``,
+    updated here) and the new one holds a live page with the columns the frontier needs and
+    columns in range. Returns problem rows (kind, bundle or slot, then the values the message
+    names), in order; a negative slot is the last row."""
+    bundles = np.frombuffer(b_raw, np.int32)
+    rows = np.empty((max(8, 2 * bundles.shape[0]), 6), np.int64)
+    n = 0
+    for j in range(bundles.shape[0]):
+        if n + 2 >= rows.shape[0]:  # at most two rows per block: room for the next block
+            grown = np.empty((2 * rows.shape[0], 6), np.int64)
+            grown[:n] = rows[:n]
+            rows = grown
+        b = bundles[j]
+        k = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        oc = mirror[b] if 0 <= b < mirror.shape[0] else ABSENT
+        if k < 0 or oc == ABSENT:
+            rows[n, 0], rows[n, 1] = C_NO_SPACE, b
+            n += 1
+            continue
+        c, m = sp_committed[k], sp_nmem[k]
+        mirror[b] = c
+        if not sp_protected[k] <= c <= m * P:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3], rows[n, 4] = \
+                C_ORDER, b, sp_protected[k], c, m * P
+            n += 1
+        if oc < c:
+            i, hi = oc // P, (c + P - 1) // P
+        else:
+            i, hi = c // P, (oc + P - 1) // P
+        hi = min(hi, m, sp_members.shape[1])
+        i = max(i, 0)  # a negative frontier (damage, reported above or at its event): from 0
+        while i < hi:
+            if n + 2 >= rows.shape[0]:
+                grown = np.empty((2 * rows.shape[0], 6), np.int64)
+                grown[:n] = rows[:n]
+                rows = grown
+            s = sp_members[k, i]
+            if s < 0:
+                rows[n, 0], rows[n, 1] = C_NEGATIVE, s
+                return rows[:n + 1]
+            if s >= n_slots or not pg_live[s]:
+                rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = C_DEAD, b, i, s
+                n += 1
+            else:
+                pc, pr = pg_committed[s], pg_protected[s]
+                need = min(c - i * P, P)
+                if pc < need:
+                    rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3], rows[n, 4], rows[n, 5] = \
+                        C_SHORT, b, i, s, pc, need
+                    n += 1
+                if not 0 <= pr <= pc <= P:
+                    rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = C_RANGE, s, pr, pc
+                    n += 1
+            i += 1
+    return rows[:n]

@@ -138,8 +138,8 @@ class PoolState:
     __slots__ = ("name", "capacity", "rows", "logical_pages", "free_pages", "reserved",
                  "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces", "n_slots",
                  "pg_live", "host_of", *(f for f, _ in PG_FIELDS),
-                 "sp_members", "sp_nmem", "sp_committed", "sp_entitlement", "sp_active",
-                 "sp_free", "bundle_index")
+                 "sp_members", "sp_nmem", "sp_committed", "sp_protected", "sp_entitlement",
+                 "sp_active", "sp_free", "bundle_index")
 
     def __init__(self, name: str, capacity: int, rows: int, logical_pages: int) -> None:
         self.name = name
@@ -165,6 +165,7 @@ class PoolState:
         self.sp_members = np.full((m, min(logical_pages, 16)), -1, np.int32)
         self.sp_nmem = np.zeros(m, I64)
         self.sp_committed = np.zeros(m, I64)
+        self.sp_protected = np.zeros(m, I64)
         self.sp_entitlement = np.zeros(m, I64)
         self.sp_active = np.zeros(m, np.bool_)
         self.sp_free: list[int] = list(range(m - 1, -1, -1))  # stack: lowest index on top
@@ -239,8 +240,8 @@ class PoolState:
             old = len(self.sp_nmem)
             self.sp_members = _grown(self.sp_members, old + 1, -1)
             new = len(self.sp_members)
-            for name, fill in (("sp_nmem", 0), ("sp_committed", 0), ("sp_entitlement", 0),
-                               ("sp_active", 0)):
+            for name, fill in (("sp_nmem", 0), ("sp_committed", 0), ("sp_protected", 0),
+                               ("sp_entitlement", 0), ("sp_active", 0)):
                 setattr(self, name, _grown(getattr(self, name), new, fill))
             self.sp_free = list(range(new - 1, old - 1, -1))
         return self.sp_free.pop()

@@ -242,7 +242,7 @@ def test_a_negative_frontier_is_reported_not_raised(tmp_path: Path) -> None:
         apply(st, e)
         chk = chk or IncrementalChecker(st)
         assert chk.check(e) == []
-    chk.pools["main"].spaces[dst].committed = -5         # the mirror as damage left it
+    chk.pools["main"].see_committed(dst, -5)              # the mirror as damage left it
     e = ev.CommitFrontiers("main", ev.pack([dst]), ev.pack([10]))
     apply(st, e)
     assert isinstance(chk.check(e), list)                 # a report, not an IndexError

@@ -84,3 +84,64 @@ def test_a_negative_slot_twice_is_a_slot_twice() -> None:
         assert twice.tolist() == [want]
         assert [r[2] for r in problems.tolist()] == [ik.DEAD] * row.count(-1) + \
             [ik.DEAD] * sum(1 for s in row if s >= 3)
+
+
+def oracle_commit(bundles, bundle_index, committed, nmem, protected, members, n_slots, live,
+                  pg_committed, pg_protected, mirror):
+    """The incremental checker's Python CommitFrontiers check this kernel replaced."""
+    rows = []
+    for b in bundles:
+        k = bundle_index[b] if 0 <= b < len(bundle_index) else -1
+        oc = mirror[b] if 0 <= b < len(mirror) else ik.ABSENT
+        if k < 0 or oc == ik.ABSENT:
+            rows.append((ik.C_NO_SPACE, b))
+            continue
+        c, m = int(committed[k]), int(nmem[k])
+        mirror[b] = c
+        if not protected[k] <= c <= m * P:
+            rows.append((ik.C_ORDER, b, int(protected[k]), c, m * P))
+        lo, hi = (oc // P, -(-c // P)) if oc < c else (c // P, -(-oc // P))
+        for i in range(max(lo, 0), min(hi, m, members.shape[1])):
+            s = int(members[k, i])
+            if s < 0:
+                return rows + [(ik.C_NEGATIVE, s)]
+            if s >= n_slots or not live[s]:
+                rows.append((ik.C_DEAD, b, i, s))
+                continue
+            pc, pr = int(pg_committed[s]), int(pg_protected[s])
+            if pc < min(c - i * P, P):
+                rows.append((ik.C_SHORT, b, i, s, pc, min(c - i * P, P)))
+            if not 0 <= pr <= pc <= P:
+                rows.append((ik.C_RANGE, s, pr, pc))
+    return rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.randoms(use_true_random=False))
+def test_check_commit_matches_oracle(n: int, rnd) -> None:
+    """Random pools (dead slots, short or inverted columns, a negative member, frontiers out
+    of order, spaces the mirror does not know) and a commit of some of their bundles, twice
+    over the same mirror (the second pass sees the frontiers the first recorded)."""
+    width, n_slots = 4, 10
+    members = np.array([[rnd.randint(-1 if rnd.random() < 0.1 else 0, n_slots + 1)
+                         for _ in range(width)] for _ in range(n)], np.int32)
+    nmem = np.array([rnd.randint(0, width) for _ in range(n)], np.int64)
+    committed = np.array([rnd.randint(-3, width * P + 3) for _ in range(n)], np.int64)
+    protected = np.array([rnd.randint(0, 2 * P) for _ in range(n)], np.int64)
+    bundle_index = np.full(12, -1, np.int64)
+    for k, b in enumerate(rnd.sample(range(12), n)):
+        bundle_index[b] = k
+    live = np.array([rnd.random() < 0.85 for _ in range(n_slots + 1)], np.bool_)
+    pg_committed = np.array([rnd.randint(0, P + 1) for _ in range(n_slots + 1)], np.int64)
+    pg_protected = np.array([rnd.randint(-1, P + 1) for _ in range(n_slots + 1)], np.int64)
+    mirror = np.array([rnd.choice([ik.ABSENT, rnd.randint(-3, width * P)])
+                       for _ in range(10)], np.int64)  # shorter than the bundle ids
+    bundles = [rnd.randint(-1, 12) for _ in range(rnd.randint(1, 6))]
+    args = (bundle_index, committed, nmem, protected, members, n_slots, live, pg_committed,
+            pg_protected)
+    want_mirror = mirror.copy()
+    for _ in range(2):
+        got = ik.check_commit(np.array(bundles, np.int32).tobytes(), *args, mirror)
+        want = oracle_commit(bundles, *args, want_mirror)
+        assert [tuple(r[:len(w)]) for r, w in zip(got.tolist(), want, strict=True)] == want
+        assert mirror.tolist() == want_mirror.tolist()
