@@ -165,3 +165,29 @@ def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarra
                     n += 1
             i += 1
     return rows[:n]
+
+
+@njit(nogil=True)
+def gather_pages(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device: np.ndarray,
+                 pg_refs: np.ndarray, pg_active: np.ndarray, pg_pins: np.ndarray,
+                 pg_protected: np.ndarray, pg_committed: np.ndarray, pg_writer: np.ndarray,
+                 free_slot_bits: np.ndarray) -> np.ndarray:
+    """The page fields ``incremental_index.check_pages`` reads, for ``slots`` (each >= 0), as
+    rows: live, device, refs, active refs, pins, protected, committed, writer, on the
+    free-slot list. A slot at or past ``n_slots`` reads as dead with zero fields (its
+    free-slot bit as it is)."""
+    out = np.zeros((9, slots.shape[0]), np.int64)
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        if s < n_slots:
+            out[0, j] = pg_live[s]
+            out[1, j] = pg_device[s]
+            out[2, j] = pg_refs[s]
+            out[3, j] = pg_active[s]
+            out[4, j] = pg_pins[s]
+            out[5, j] = pg_protected[s]
+            out[6, j] = pg_committed[s]
+            out[7, j] = pg_writer[s]
+        if s < free_slot_bits.shape[0]:
+            out[8, j] = free_slot_bits[s]
+    return out
