@@ -145,3 +145,19 @@ def test_check_commit_matches_oracle(n: int, rnd) -> None:
         want = oracle_commit(bundles, *args, want_mirror)
         assert [tuple(r[:len(w)]) for r, w in zip(got.tolist(), want, strict=True)] == want
         assert mirror.tolist() == want_mirror.tolist()
+
+
+def test_check_commit_stops_at_a_negative_member() -> None:
+    """A negative slot in a block the commit crossed is reported as the last row (the caller
+    then raises IndexError naming it, as a page view read does): never read as an index
+    (numba would wrap it to the last page)."""
+    members = np.array([[0, -1, 1, 2]], np.int32)
+    live = np.ones(3, np.bool_)
+    live[2] = False  # the last slot: what a wrapped index would read
+    mirror = np.array([10], np.int64)
+    rows = ik.check_commit(np.array([0], np.int32).tobytes(), np.array([0], np.int64),
+                           np.array([3 * P], np.int64), np.array([4], np.int64),
+                           np.array([0], np.int64), members, 3, live,
+                           np.full(3, P, np.int64), np.zeros(3, np.int64), mirror)
+    assert rows.tolist()[-1][:2] == [ik.C_NEGATIVE, -1]
+    assert [r[0] for r in rows.tolist()] == [ik.C_NEGATIVE]  # block 0 is fine, block 1 stops
