@@ -40,6 +40,7 @@ class KVAddressSpace:
         p.sp_nmem[self.i] = 0          # membership: logical block b -> page slot
         p.sp_committed[self.i] = 0     # canonical token frontier
         p.sp_protected[self.i] = 0     # checkpoint-protected frontier
+        p.sp_budget[self.i] = 0        # its bundle's budget (set by Activate; grow reads it)
         p.sp_entitlement[self.i] = entitlement  # pages guaranteed (membership + reservation)
         p.sp_active[self.i] = True
         self.provisional = 0           # speculative frontier; never committed coverage
@@ -95,6 +96,7 @@ class KVAddressSpace:
 
     committed = ArrayField("sp_committed", "i")
     protected = ArrayField("sp_protected", "i")
+    budget = ArrayField("sp_budget", "i")
     entitlement = ArrayField("sp_entitlement", "i")
     active = ArrayField("sp_active", "i", bool)
 

@@ -55,6 +55,7 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
         f"{e.entitlement} outside [0, L={pool.logical_pages}]"
     sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
+    sp.budget = e.budget  # the bundle's, per space too: kv_lease_growth reads it as an array
     pool.reserved += e.entitlement - e.held
     pool.free_rows.remove(e.row)
     pool.row_owner[e.row] = e.bundle

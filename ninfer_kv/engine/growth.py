@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.args import as_int
-from ninfer_kv.engine.layout import P, PoolKind
+from ninfer_kv.engine.layout import PoolKind
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
 
@@ -40,51 +39,39 @@ class GrowResult:
 
 
 def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
-    """One call per decode round; array operations over the active sequences of each pool
-    (bundle order, so the pool's availability is granted first come, first served)."""
+    """One call per decode round; one compiled pass over the active sequences of each pool
+    (``round_kernels.grow_pool``, in bundle order, so the pool's availability is granted first
+    come, first served)."""
     step_tokens = as_int("step_tokens", step_tokens, lo=1)
     cfg = store.config
     st = store.state
     res = GrowResult()
     lead_mtp = cfg.serving.draft_window - 1
+    # the window tops up at least the step about to launch (a window shorter than a
+    # speculative step would otherwise never cover it, however free the pool); §6.2: the
+    # cushion is held back — the step plus one forced control span must already be covered
+    window = max(cfg.lease_window, step_tokens)
     events = []
     covers: dict[int, int] = {}
-    ids = budget = None
+    ids = None
     for name in store.pools:
         pool = st.pools[name]
         if ids is None:  # the active bundles, ascending (every pool holds a space of each)
-            bi = pool.bundle_index
-            ids = np.flatnonzero(bi >= 0)
-            ids = ids[pool.sp_active[bi[ids]]]
-            budget = np.fromiter((st.bundles[b].budget or store.plan.S for b in ids.tolist()),
-                                 np.int64, len(ids))
-        idx = pool.bundle_index[ids]
+            ids = rk.active_bundles(pool.sp_active, pool.sp_bundle)
         lead = lead_mtp if name == PoolKind.MTP.value else 0
-        committed, ent = pool.sp_committed[idx], pool.sp_entitlement[idx]
-        # the window tops up at least the step about to launch (a window shorter than a
-        # speculative step would otherwise never cover it, however free the pool)
-        window = max(cfg.lease_window, step_tokens)
-        target = np.minimum(budget, committed + window + cfg.lease_cushion) + lead
-        want = np.maximum(np.minimum(pool.logical_pages, -(-target // P)) - ent, 0)
-        before = np.cumsum(want) - want          # granted to earlier sequences, if all fit
-        got = np.clip(pool.available - before, 0, want)
-        ent = ent + got
-        # §6.2: the cushion is held back — the step about to launch plus one forced control
-        # span must already be covered, not merely the step
-        need = np.minimum(np.minimum(budget, committed + step_tokens + cfg.lease_cushion) + lead,
-                          pool.logical_pages * P)  # nothing is entitled past L pages
-        short = -(-need // P) > ent               # the step and its cushion would not fit
-        if short.any():  # what a retry needs: earlier sequences take their whole window first
-            left = want - got
-            ahead = np.cumsum(left) - left
-            deficit = -(-need // P) - ent
-            res.short[name] = int((ahead + deficit)[short].max() - (pool.available - got.sum()))
-        for b, c in zip(ids[short].tolist(), np.maximum(committed, ent * P - lead)[short].tolist(),
-                        strict=True):
-            covers[b] = min(covers.get(b, 1 << 62), c)
-        if got.any():
-            events.append(ev.Grow(name, pack(ids[got > 0]), pack(got[got > 0])))
-            res.granted[name] = int(got.sum())
+        got, cover, granted, short, n_short = rk.grow_pool(
+            ids, pool.bundle_index, pool.sp_committed, pool.sp_entitlement, pool.sp_budget,
+            store.plan.S, pool.logical_pages, window, cfg.lease_cushion, step_tokens, lead,
+            pool.available)
+        if n_short:
+            res.short[name] = short
+            exhausted = cover >= 0
+            for b, c in zip(ids[exhausted].tolist(), cover[exhausted].tolist(), strict=True):
+                covers[b] = min(covers.get(b, 1 << 62), c)
+        if granted:
+            sel = got > 0
+            events.append(ev.Grow(name, pack(ids[sel]), pack(got[sel])))
+            res.granted[name] = granted
     if events:
         store._emit(*events)
     res.exhausted = covers

@@ -212,3 +212,54 @@ def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
             out[k] = slots[j]
             k += 1
     return out[:k]
+
+
+@njit(nogil=True)
+def active_bundles(sp_active: np.ndarray, sp_bundle: np.ndarray) -> np.ndarray:
+    """The bundles of the pool's active spaces, ascending: O(spaces), not O(bundle ids)."""
+    out = np.empty(sp_active.shape[0], np.int64)
+    k = 0
+    for i in range(sp_active.shape[0]):
+        if sp_active[i] and sp_bundle[i] >= 0:
+            out[k] = sp_bundle[i]
+            k += 1
+    return np.sort(out[:k])
+
+
+@njit(nogil=True)
+def grow_pool(ids: np.ndarray, bundle_index: np.ndarray, sp_committed: np.ndarray,
+              sp_entitlement: np.ndarray, sp_budget: np.ndarray, ceiling: int,
+              logical_pages: int, window: int, cushion: int, step: int, lead: int,
+              available: int) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """``grow`` in one pool (§6.2), sequences ``ids`` in order (first come, first served):
+    each is entitled up to ``committed + window + cushion`` tokens (never past its budget, 0
+    meaning ``ceiling``; plus the MTP ``lead``; at most L pages) from what is ``available``.
+    Returns (pages granted each; the token frontier each *short* sequence's entitlement
+    covers, -1 for the others; pages granted in all; pages missing for the short ones —
+    what a retry needs freed, counting the window pages earlier sequences take first — or 0;
+    how many are short).
+    A sequence is short when its entitlement cannot cover the next ``step`` and the cushion.
+    Reads only."""
+    n = ids.shape[0]
+    got = np.zeros(n, np.int64)
+    cover = np.full(n, -1, np.int64)
+    before = ahead = granted = 0  # earlier sequences' wants; what they still lack; grants
+    worst = n_short = 0
+    for j in range(n):
+        i = bundle_index[ids[j]]
+        c, e = sp_committed[i], sp_entitlement[i]
+        budget = sp_budget[i] if sp_budget[i] else ceiling
+        target = min(budget, c + window + cushion) + lead
+        want = max(min(logical_pages, -(-target // P)) - e, 0)
+        g = min(max(available - before, 0), want)
+        before += want
+        e += g
+        need = -(-min(min(budget, c + step + cushion) + lead, logical_pages * P) // P)
+        if need > e:
+            worst = max(worst, ahead + need - e) if n_short else ahead + need - e
+            n_short += 1
+            cover[j] = max(c, e * P - lead)
+        ahead += want - g
+        got[j] = g
+        granted += g
+    return got, cover, granted, worst - (available - granted) if n_short else 0, n_short

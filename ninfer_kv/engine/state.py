@@ -221,4 +221,8 @@ def decode_state(data: bytes) -> StoreState:
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]
         b.meta = bytes(t[6]) if len(t) > 6 else b""
         st.bundles[b.id] = b
+        for name in b.pools:  # Activate gave each space its bundle's budget (grow reads it)
+            sp = st.pools[name].spaces.get(b.id) if name in st.pools else None
+            if sp is not None:
+                sp.budget = b.budget
     return st

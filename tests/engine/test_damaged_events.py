@@ -39,7 +39,7 @@ def fingerprint(st: StoreState) -> str:
         for a in ("pg_gen", "pg_epoch", "pg_committed", "pg_protected", "pg_refs", "pg_active",
                   "pg_writer", "pg_device", "pg_pins", "pg_live", "sp_members", "sp_nmem",
                   "sp_committed", "sp_protected", "sp_entitlement", "sp_active",
-                  "bundle_index"):
+                  "sp_bundle", "sp_budget", "bundle_index"):
             h.update(getattr(p, a).tobytes())
     if st.host is not None:
         h.update(repr((st.host.live_total, dict(st.host.live), dict(st.host.by_off),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import P, PoolKind, ceil_div
@@ -116,3 +118,71 @@ def test_a_window_shorter_than_the_step_still_grows(window: int, cushion: int) -
     for pool in s.pools:                                 # and the step then maps
         s.ensure_mapped(seq, pool, 64 * 3 + 2 + (3 if pool == "mtp" else 0))
     s.check_invariants()
+
+
+def numpy_grow(ids, bundle_index, committed_all, ent_all, budget_all, ceiling, logical_pages,
+               window, cushion, step, lead, available):
+    """The numpy version of one pool's grow this kernel replaced (409a30d's growth.py)."""
+    import numpy as np
+
+    idx = bundle_index[ids]
+    committed, ent = committed_all[idx], ent_all[idx]
+    budget = np.where(budget_all[idx] > 0, budget_all[idx], ceiling)
+    target = np.minimum(budget, committed + window + cushion) + lead
+    want = np.maximum(np.minimum(logical_pages, -(-target // P)) - ent, 0)
+    before = np.cumsum(want) - want
+    got = np.clip(available - before, 0, want)
+    ent = ent + got
+    need = np.minimum(np.minimum(budget, committed + step + cushion) + lead, logical_pages * P)
+    short = -(-need // P) > ent
+    missing = 0
+    if short.any():
+        left = want - got
+        ahead = np.cumsum(left) - left
+        deficit = -(-need // P) - ent
+        missing = int((ahead + deficit)[short].max() - (available - got.sum()))
+    cover = np.where(short, np.maximum(committed, ent * P - lead), -1)
+    return got.tolist(), cover.tolist(), int(got.sum()), missing, int(short.sum())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 3))
+def test_grow_pool_matches_numpy(rnd, lead: int) -> None:
+    """``round_kernels.grow_pool`` against the numpy version it replaced, ``short`` included
+    (the pages a retry needs freed), on random spaces and pool availability."""
+    import numpy as np
+
+    from ninfer_kv.engine import round_kernels as rk
+
+    n, lp = rnd.randint(0, 8), rnd.randint(1, 12)
+    ids = np.array(sorted(rnd.sample(range(20), n)), np.int64)
+    bundle_index = np.full(20, -1, np.int64)
+    bundle_index[ids] = rnd.sample(range(n), n) if n else []
+    ent = np.array([rnd.randint(0, lp) for _ in range(n)], np.int64)
+    committed = np.array([rnd.randint(0, int(e) * P) for e in ent], np.int64)
+    budget = np.array([rnd.choice([0, rnd.randint(1, lp * P + 50)]) for _ in range(n)],
+                      np.int64)
+    args = (ids, bundle_index, committed, ent, budget, lp * P, lp, rnd.randint(1, 200),
+            rnd.choice([0, 64]), rnd.randint(1, 8), lead, rnd.randint(0, 3 * n + 2))
+    got, cover, granted, short, n_short = rk.grow_pool(*args)
+    assert (got.tolist(), cover.tolist(), granted, short, n_short) == numpy_grow(*args)
+
+
+def test_a_decoded_snapshot_keeps_each_space_budget() -> None:
+    """``grow`` reads each active space's budget from an array (``sp_budget``, set by
+    Activate); a state decoded from a snapshot (a TP follower's, a standby's) must hold the
+    same, or its grants would differ from the leader's."""
+    from ninfer_kv.engine.state import decode_state, encode_state
+
+    s = KVStore.open(small_config(None, pages=40, backend=Backend.MTP, lease_growth=True,
+                                  lease_window=64))
+    seqs = [s.activate(100 + 50 * k, 300 + 100 * k) for k in range(3)]
+    with s.boundary():
+        pass
+    st = decode_state(encode_state(s.state))
+    for name in s.pools:
+        a, b = s.state.pools[name], st.pools[name]
+        got = [b.spaces[x].budget for x in seqs]
+        assert got == [a.spaces[x].budget for x in seqs] == [400 + 150 * k for k in range(3)]
+        assert sorted(b.sp_bundle[b.sp_active].tolist()) == sorted(seqs)
+    s.close()
