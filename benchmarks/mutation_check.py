@@ -414,7 +414,7 @@ def _stringish(e: ast.expr | None) -> bool:
 REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "WRITE",
                            "NO_SPACE", "INACTIVE", "NO_GROUP", "FORK_ACTIVE_SOURCE",
                            "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE",
-                           "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "TOO_WIDE",
+                           "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "TOO_WIDE", "GROW_BAD",
                            "DEAD", "SHORT", "NO_DEVICE", "C_NO_SPACE", "C_ORDER", "C_DEAD",
                            "C_SHORT", "C_RANGE", "C_NEGATIVE"})
 """engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is

@@ -181,16 +181,16 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
 
 
 def _grow(st: StoreState, e: ev.Grow) -> None:
-    """Entitlements grow by ``pages`` (§6.2): one array update for the round's sequences."""
+    """Entitlements grow by ``pages`` (§6.2): one compiled pass on the packed fields."""
     pool = st.pools[e.pool]
-    b, n = unpack(e.bundles), unpack(e.pages).astype(I64)
-    assert len(b) == len(n), f"Grow of {e.pool}: {len(b)} seqs, {len(n)} page counts"
-    idx, j = ak.space_index(b, pool.bundle_index)
-    assert j < 0 and len(np.unique(idx)) == len(idx) and pool.sp_active[idx].all() \
-        and (n >= 0).all() and (pool.sp_entitlement[idx] + n <= pool.logical_pages).all(), \
-        f"Grow of {e.pool}: a seq with no active space or listed twice, negative pages, or past L"
-    pool.sp_entitlement[idx] += n
-    pool.reserved += int(n.sum())
+    code, j, added = ak.apply_grow(e.bundles, e.pages, pool.bundle_index, pool.sp_active,
+                                   pool.sp_entitlement, pool.logical_pages)
+    assert code != ak.COMMIT_LENGTHS, (f"Grow of {e.pool}: {len(e.bundles)} bytes of seqs, "
+                                       f"{len(e.pages)} of page counts (int32 each)")
+    assert code == ak.OK, (f"Grow of {e.pool}: seq {int(unpack(e.bundles)[j])} (element {j}) "
+                           "has no active space, is listed twice, grows by negative pages, "
+                           "or past L")
+    pool.reserved += added
 
 
 def _finish(st: StoreState, e: ev.Finish) -> None:

@@ -75,6 +75,36 @@ def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
                         sp_members, pg_committed, sp_active)
 
 
+GROW_BAD = 1
+"""``apply_grow``: an element names no active space, one listed twice, a negative page count,
+or an entitlement past L."""
+
+
+@njit(nogil=True)
+def apply_grow(b_raw: bytes, n_raw: bytes, bundle_index: np.ndarray, sp_active: np.ndarray,
+               sp_entitlement: np.ndarray, logical_pages: int) -> tuple[int, int, int]:
+    """``apply(Grow)`` on the event's packed fields (§6.2): each space's entitlement grows by
+    its page count. Returns (code, j, pages added): ``OK``; ``COMMIT_LENGTHS`` when the
+    fields are not equally many int32s; ``GROW_BAD`` at element ``j`` — then nothing
+    changed."""
+    if len(b_raw) % 4 or len(n_raw) != len(b_raw):
+        return COMMIT_LENGTHS, -1, 0
+    bundles, pages = int32s(b_raw), int32s(n_raw)
+    seen = np.zeros(sp_active.shape[0], np.bool_)
+    for j in range(bundles.shape[0]):
+        b = bundles[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if (i < 0 or not sp_active[i] or seen[i] or pages[j] < 0
+                or sp_entitlement[i] + pages[j] > logical_pages):
+            return GROW_BAD, j, 0
+        seen[i] = True
+    total = 0
+    for j in range(bundles.shape[0]):
+        sp_entitlement[bundle_index[bundles[j]]] += pages[j]
+        total += pages[j]
+    return OK, -1, total
+
+
 @njit(nogil=True)
 def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
                    sp_nmem: np.ndarray) -> None:

@@ -167,13 +167,20 @@ def checkpoint_only_pages(p: PoolState) -> int:
     return int((live & (p.pg_active[:p.n_slots] == 0) & (p.pg_device[:p.n_slots] != NO_PAGE)).sum())
 
 
+def occupancy(store: Txn) -> dict[str, dict[str, int]]:
+    """Per pool: capacity, allocated, reserved, available, rows leased and checkpoint-only
+    pages (what a cache's eviction policy reads; ``metrics`` without the store-wide counts,
+    which walk every bundle)."""
+    return {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
+                "available": p.available, "rows_leased": len(p.row_owner),
+                "checkpoint_only": checkpoint_only_pages(p)}
+            for n, p in store.state.pools.items()}
+
+
 def metrics(store: Txn) -> StoreMetrics:
     st, s = store.state, store.stats
     active = sum(1 for b in st.bundles.values() if b.active)
-    pools = {n: {"capacity": p.capacity, "allocated": p.allocated, "reserved": p.reserved,
-                 "available": p.available, "rows_leased": len(p.row_owner),
-                 "checkpoint_only": checkpoint_only_pages(p)}
-             for n, p in st.pools.items()}
+    pools = occupancy(store)
     j = store.journal
     return StoreMetrics(s["records"], s["events"], s["materialized"], s["cow_copies"],
                         s["d2h_pages"], s["h2d_pages"], s["published"], active,

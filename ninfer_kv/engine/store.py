@@ -390,7 +390,7 @@ class KVStore(StoreCore):
         return digest(self.state)
 
     def occupancy(self) -> dict[str, dict[str, int]]:
-        return info.metrics(self).pools
+        return info.occupancy(self)
 
 
 __all__ = ["NO_PAGE", "InvariantViolation", "KVStore", "RecoveryReport", "StoreConfig"]
