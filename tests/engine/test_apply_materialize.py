@@ -204,3 +204,49 @@ def test_commit_on_packed_fields_refuses_different_lengths() -> None:
     assert ak.apply_commit_raw(ev.pack([b]), ev.pack([1, 2]), p.bundle_index, p.sp_committed,
                                p.sp_nmem, p.sp_members, p.pg_committed, p.sp_active) == ak.COMMIT_LENGTHS
     s.close()
+
+
+def test_grow_on_packed_fields_refuses_different_lengths() -> None:
+    """``apply(Grow)`` reads its fields in place (``apply_grow``): fields of different
+    lengths, or a torn int32 in both alike, are refused by name before any entitlement
+    moves."""
+    s, live, _ = a_store(2)
+    b = live[0]
+    before = digest(s.state)
+    for raw_b, raw_n in ((ev.pack([b, b]), ev.pack([1])), (ev.pack([b])[:3], ev.pack([1])[:3])):
+        with pytest.raises(AssertionError, match="bytes of seqs"):
+            apply(s.state, ev.Grow("main", raw_b, raw_n))
+        assert digest(s.state) == before
+    s.close()
+
+
+@pytest.mark.parametrize("bad", ["unknown", "negative id", "inactive", "twice", "negative",
+                                 "past L"])
+def test_apply_grow_refuses_each_rule_unchanged(bad: str) -> None:
+    """Each rule of ``apply_grow`` on its own, with every space index active (so an unknown
+    seq cannot be caught by reading a wrapped-around index's inactive flag instead)."""
+    bundle_index = np.array([-1, 0, 1, 2], np.int64)
+    sp_active = np.ones(3, np.bool_)
+    ent = np.array([2, 3, 4], np.int64)
+    seqs, pages = [1, 2, 3], [1, 1, 1]
+    j = 1
+    if bad == "unknown":
+        seqs[j] = 0
+    elif bad == "negative id":
+        seqs[j] = -1
+    elif bad == "inactive":
+        sp_active[1] = False
+    elif bad == "twice":
+        seqs[j] = 1
+    elif bad == "negative":
+        pages[j] = -1
+    else:
+        pages[j] = 4  # 3 + 4 > L = 6
+    code, at, added = ak.apply_grow(ev.pack(seqs), ev.pack(pages), bundle_index, sp_active,
+                                    ent, 6)
+    assert (code, at, added) == (ak.GROW_BAD, j, 0)
+    assert ent.tolist() == [2, 3, 4]
+    sp_active[:] = True
+    assert ak.apply_grow(ev.pack([1, 2, 3]), ev.pack([1, 1, 2]), bundle_index, sp_active, ent,
+                         6) == (ak.OK, -1, 4)
+    assert ent.tolist() == [3, 4, 6]
