@@ -200,3 +200,19 @@ def test_open_refuses_a_record_that_raises_attribute_error(tmp_path: Path) -> No
     s.close()
     with pytest.raises(JournalCorrupt, match="cannot be applied"):
         KVStore.open(s.config)
+
+
+@pytest.mark.parametrize("verify", [0, 1])
+def test_replay_names_the_failing_event_of_a_record(tmp_path: Path, verify: int) -> None:
+    """Plain replay applies a record's events in one tight loop (``apply_record``); a refusal
+    must still name the record and the event in it, as the verified loop does."""
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(10, 10)
+    step(s)
+    assert s.journal is not None
+    seq = s.journal.append([ev.Trim(a, "main", 0), ev.Trim(a, "main", -(1 << 31))],
+                           durable=True)
+    s.close()
+    with pytest.raises(UnappliableRecord, match=f"record {seq} event 1 \\(Trim\\)") as got:
+        replay(str(tmp_path / "journal"), verify_every=verify)
+    assert (got.value.seq, got.value.index) == (seq, 1)
