@@ -50,9 +50,11 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
     assert 0 <= e.bundle <= st.next_bundle, \
         f"Activate of seq {e.bundle}: ids are handed out in order (the next is {st.next_bundle})"
     assert e.bundle not in pool.spaces, f"Activate of seq {e.bundle}: it has a space in {e.pool}"
-    assert e.row in pool.free_rows and 0 <= e.held <= e.entitlement <= pool.logical_pages, \
-        f"Activate of seq {e.bundle}: row {e.row} not free, or held {e.held} / entitlement " \
-        f"{e.entitlement} outside [0, L={pool.logical_pages}]"
+    assert e.row in pool.free_rows and 0 <= e.held <= e.entitlement <= pool.logical_pages \
+        and 0 <= e.budget < (1 << 63), \
+        f"Activate of seq {e.bundle}: row {e.row} not free, held {e.held} / entitlement " \
+        f"{e.entitlement} outside [0, L={pool.logical_pages}], or budget {e.budget} outside " \
+        "int64"
     sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
     sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
     sp.budget = e.budget  # the bundle's, per space too: kv_lease_growth reads it as an array
@@ -332,6 +334,7 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
         b.budget = len(shared) * P
     else:
         b.pools = (*b.pools, pool.name)
+    dst.budget = b.budget  # every space holds its bundle's budget, as Activate sets it
     if dst_id >= st.next_bundle:
         st.next_bundle = dst_id + 1
 

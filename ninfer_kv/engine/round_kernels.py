@@ -246,7 +246,10 @@ def grow_pool(ids: np.ndarray, bundle_index: np.ndarray, sp_committed: np.ndarra
     before = ahead = granted = 0  # earlier sequences' wants; what they still lack; grants
     worst = n_short = 0
     for j in range(n):
-        i = bundle_index[ids[j]]
+        b = ids[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if i < 0:  # commands activate every pool; a damaged journal could leave one out
+            raise ValueError("grow: an active sequence has no space in this pool (§7.1)")
         c, e = sp_committed[i], sp_entitlement[i]
         budget = sp_budget[i] if sp_budget[i] else ceiling
         target = min(budget, c + window + cushion) + lead

@@ -219,6 +219,8 @@ def decode_state(data: bytes) -> StoreState:
     for t in snap.bundles:
         b = SequenceKVBundle(t[0], tuple(t[2]))
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]
+        if not 0 <= b.budget < (1 << 63):
+            raise ValueError(f"snapshot: bundle {b.id} budget {b.budget} outside int64")
         b.meta = bytes(t[6]) if len(t) > 6 else b""
         st.bundles[b.id] = b
         for name in b.pools:  # Activate gave each space its bundle's budget (grow reads it)

@@ -102,6 +102,7 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "Activate with a negative id": [ev.Activate(-3, "main", 2, row)],
         "Activate of a seq that has a space": [ev.Activate(a, "main", 2, row)],
         "Activate holding more than its entitlement": [ev.Activate(nxt, "main", 2, row, 0, 0, 3)],
+        "Activate with a budget past int64": [ev.Activate(nxt, "main", 2, row, 1 << 63)],
         "Share with a huge id": [ev.Share(a, 1 << 30, "main", 1)],
         "CopyTail onto a leased page group": [ev.CopyTail(a, "main", free_slot, used_page,
                                                           a_slots[0], used_page, 10)],

@@ -177,12 +177,35 @@ def test_a_decoded_snapshot_keeps_each_space_budget() -> None:
     s = KVStore.open(small_config(None, pages=40, backend=Backend.MTP, lease_growth=True,
                                   lease_window=64))
     seqs = [s.activate(100 + 50 * k, 300 + 100 * k) for k in range(3)]
+    for pool in s.pools:
+        s.ensure_mapped(seqs[0], pool, 130)
     with s.boundary():
         pass
+    for pool in s.pools:
+        s.commit(seqs[0], pool, 130)
+    shared = s.share_prefix(seqs[0])  # a checkpoint whose bundle budget is its 2 pages
     st = decode_state(encode_state(s.state))
     for name in s.pools:
         a, b = s.state.pools[name], st.pools[name]
         got = [b.spaces[x].budget for x in seqs]
         assert got == [a.spaces[x].budget for x in seqs] == [400 + 150 * k for k in range(3)]
+        assert b.spaces[shared].budget == a.spaces[shared].budget == 2 * P
         assert sorted(b.sp_bundle[b.sp_active].tolist()) == sorted(seqs)
+        assert {x: b.spaces[x].budget for x in b.spaces} == \
+            {x: a.spaces[x].budget for x in a.spaces}
     s.close()
+
+
+def test_grow_refuses_an_active_sequence_without_a_space() -> None:
+    """``grow_pool`` looks every active bundle of the first pool up in each pool: one with no
+    space there (a damaged journal; commands activate every pool) is refused, never read
+    past the index array."""
+    import numpy as np
+
+    from ninfer_kv.engine import round_kernels as rk
+
+    z = np.zeros(2, np.int64)
+    for bundle_index in (np.array([0, -1], np.int64), np.array([0], np.int64)):
+        with pytest.raises(ValueError, match="no space in this pool"):
+            rk.grow_pool(np.array([0, 1], np.int64), bundle_index, z, z, z, 640, 10, 1, 0, 1,
+                         0, 5)
