@@ -133,8 +133,9 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
                               pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active)
     if bad == -1:
         return
-    assert bad != ak.COMMIT_LENGTHS, (f"CommitFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, "
-                      f"{len(e.frontiers)} of frontiers (int32 each)")
+    assert bad != ak.COMMIT_LENGTHS, \
+        f"CommitFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, {len(e.frontiers)} of " \
+        "frontiers (int32 each)"
     b, f = unpack(e.bundles), unpack(e.frontiers)
     raise AssertionError(
         f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in {e.pool}, or a "

@@ -147,6 +147,8 @@ def unpin(st: StoreState, e: ev.Unpin) -> None:
     counts = Counter(slots.tolist())  # a boundary unpins one source tail once per Fork
     over = [s for s, k in counts.items() if st.copy_pins.get((e.pool, s), 0) < k]
     assert not over, f"Unpin of {e.pool}: slots {over[:4]} unpinned more often than pinned"
+    dead = [s for s in counts if pool.pages[s] is None]  # IndexError past the slots
+    assert not dead, f"Unpin of {e.pool}: slots {dead[:4]} hold no page"
     pins = pool.pg_pins
     for slot, k in counts.items():
         key = (e.pool, slot)
@@ -155,6 +157,5 @@ def unpin(st: StoreState, e: ev.Unpin) -> None:
             st.copy_pins[key] = n
         else:
             del st.copy_pins[key]
-        assert pool.pages[slot] is not None, f"Unpin of {e.pool}: slot {slot} holds no page"
         pins[slot] -= k
     collect(st, pool, np.fromiter(counts, I64, len(counts)))

@@ -73,6 +73,9 @@ def as_int_array(name: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
         raise InvalidArgument(f"{name}: {big} does not fit in 64 bits") from None
 
 
+_I64_LO, _I64_HI = -(1 << 63), 1 << 63
+
+
 def one_pair(bname: str, bundle: Any, vname: str, value: Any) -> tuple[np.ndarray, np.ndarray]:
     """A one-sequence command as the batched form's int64 arrays (``as_int`` each, refused by
     name outside 64 bits): what ``as_int_array`` makes of ``[bundle]`` and ``[value]``."""
@@ -83,9 +86,6 @@ def one_pair(bname: str, bundle: Any, vname: str, value: Any) -> tuple[np.ndarra
         raise InvalidArgument(f"{vname}: {v} does not fit in 64 bits")
     pair = np.array((b, v), np.int64)
     return pair[:1], pair[1:]
-
-
-_I64_LO, _I64_HI = -(1 << 63), 1 << 63
 
 
 def duplicated(values: np.ndarray) -> list[int]:
