@@ -134,7 +134,7 @@ def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> n
 @njit(nogil=True)
 def take_new_pages(slots: np.ndarray, devs: np.ndarray, n_slots: int, slot_bits: np.ndarray,
                    page_bits: np.ndarray, pg_live: np.ndarray) -> tuple[int, int, int, int]:
-    """The free-list half of ``new_pages`` (``apply(Materialize)``), in event order: slot
+    """The free-list half of ``materialize`` (``apply(Materialize)``), in event order: slot
     ``slots[j]`` is a free, dead slot below ``n_slots`` or the next never-used one, and
     ``devs[j]`` (unless -1) a free page group; each leaves its free list. Returns (j, slots
     reused, page groups taken, the new ``n_slots``): ``j`` = -1, or the first element that
@@ -198,20 +198,6 @@ def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, act
         pg_writer[s] = writers[j]
         pg_device[s] = devs[j]
         pg_pins[s] = 0
-
-
-@njit(nogil=True)
-def space_index(bundles: np.ndarray, bundle_index: np.ndarray) -> tuple[np.ndarray, int]:
-    """(space index of each bundle, -1) — or the first bundle without a space in the pool
-    (a damaged journal). A bundle may repeat (one sequence, several new pages)."""
-    idx = np.empty(bundles.shape[0], np.int64)
-    for j in range(bundles.shape[0]):
-        b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
-        if i < 0:
-            return idx, j
-        idx[j] = i
-    return idx, -1
 
 
 @njit(nogil=True)

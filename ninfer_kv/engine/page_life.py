@@ -1,8 +1,9 @@
 """A logical page's life in the pool's arrays (spec §5.1, §5.3): born into a free slot with
-a device lease (``new_page``, ``new_pages``), referenced by memberships, and collected —
-device lease and host replica freed, slot recycled with its generation advanced — when no
-reference and no pin is left (``unref``, ``collect``). Only ``apply`` calls these: they are
-the array half of its handlers, kept apart so that apply.py reads as the list of events.
+a device lease (``apply.new_members``, one compiled call), referenced by memberships, and
+collected — device lease and host replica freed, slot recycled with its generation advanced
+— when no reference and no pin is left (``unref``, ``collect``). Only ``apply`` calls these:
+they are the array half of its handlers, kept apart so that apply.py reads as the list of
+events.
 """
 
 from __future__ import annotations
@@ -11,46 +12,10 @@ import numpy as np
 
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 
 I64 = np.int64
-
-
-def new_page(pool: PoolState, slot: int, device: int, writer: int) -> LogicalKVPage:
-    """One fresh page in a free (or the next never-used) slot, holding ``device``: ``new_pages``
-    of one (a violation changes nothing and raises ``ValueError``)."""
-    new_pages(pool, np.array([slot], I64), np.array([device], I64), np.array([writer], I64))
-    return LogicalKVPage(pool, slot)
-
-
-def new_pages(pool: PoolState, slots: np.ndarray, devs: np.ndarray, writers: np.ndarray
-               ) -> None:
-    """``new_page`` for a batch, as arrays and two compiled loops: the free lists first (each
-    slot a free one or the next never-used one, each page group free, in event order; on a
-    violation nothing changes and ``ValueError`` names it), then the page fields."""
-    if not len(slots):
-        return
-    n_old = pool.n_slots
-    j, reused, taken, n_new = ak.take_new_pages(slots, devs, n_old, pool.free_slots.bits,
-                                                pool.free_pages.bits, pool.pg_live)
-    if j >= 0:
-        raise ValueError(f"{pool.name}: new page {j} in slot {int(slots[j])} with page group "
-                         f"{int(devs[j])}: the slot is neither free (and dead) nor the next "
-                         f"unused one ({n_old} + pages before it), or the page group is not "
-                         "free")
-    pool.free_slots.n -= reused
-    pool.free_pages.n -= taken
-    if n_new > n_old:
-        pool.ensure_slot(n_new - 1)
-        pool.n_slots = n_new
-    assert not (pool.host_of and any(s in pool.host_of for s in slots.tolist())), \
-        f"{pool.name}: a new page's slot still records a host replica"
-    w = writers if isinstance(writers, np.ndarray) else np.full(len(slots), writers, I64)
-    ak.init_new_pages(slots, devs, w, 1, pool.pg_live, pool.pg_epoch, pool.pg_committed,
-                      pool.pg_protected, pool.pg_refs, pool.pg_active, pool.pg_writer,
-                      pool.pg_device, pool.pg_pins)
 
 
 def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """``apply(Materialize)`` as one compiled call (``apply_kernels.materialize``) against the
-composition it replaced: ``materialize_plan``, ``new_pages``, ``ensure_members`` and
-``append_members``. Same state after a valid event; a damaged one (unknown, inactive or
+composition it replaced: ``materialize_plan``, ``new_pages`` (its free-list and page-field
+kernels), ``ensure_members`` and ``append_members``. Same state after a valid event; a damaged one (unknown, inactive or
 repeated ids, a live slot, a fresh slot out of order, a page group not free) is refused with
 the state digest unchanged — including when the arrays had to grow first."""
 
@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.apply import apply
-from ninfer_kv.engine.page_life import new_pages
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.journal import events as ev
@@ -34,7 +33,19 @@ def oracle(st_: StoreState, e: ev.Materialize) -> None:
                                               pool.sp_nmem)
     if code != ak.OK:
         raise AssertionError(code)
-    new_pages(pool, slots, devs, b)  # ValueError on a bad slot / page group
+    n_old = pool.n_slots  # page_life.new_pages, as it was
+    j, reused, taken, n_new = ak.take_new_pages(slots, devs, n_old, pool.free_slots.bits,
+                                                pool.free_pages.bits, pool.pg_live)
+    if j >= 0:
+        raise ValueError(f"new page {j}: a slot or page group not free")
+    pool.free_slots.n -= reused
+    pool.free_pages.n -= taken
+    if n_new > n_old:
+        pool.ensure_slot(n_new - 1)
+        pool.n_slots = n_new
+    ak.init_new_pages(slots, devs, b.astype(np.int64), 1, pool.pg_live, pool.pg_epoch,
+                      pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active,
+                      pool.pg_writer, pool.pg_device, pool.pg_pins)
     pool.ensure_members(width)
     ak.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)

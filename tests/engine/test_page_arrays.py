@@ -5,17 +5,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv.engine.page_life import new_page, new_pages
+from ninfer_kv.engine.address_space import KVAddressSpace
+from ninfer_kv.engine.apply import new_members
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import page_tuples
 from ninfer_kv.engine.store import KVStore
 from tests.engine.conftest import small_config
 from tests.engine.test_continuation import checkpoint_at, step
+
+
+def a_space(p: PoolState, bundle: int = 5) -> int:
+    """An active space in ``p`` for new pages to join (writer ``bundle``)."""
+    p.spaces[bundle] = KVAddressSpace(p, bundle, p.logical_pages, 0)
+    return bundle
+
+
+def one(v: int) -> bytes:
+    return np.array([v], np.int32).tobytes()
 
 
 def test_a_page_in_the_slot_past_the_arrays_grows_them() -> None:
@@ -25,9 +37,12 @@ def test_a_page_in_the_slot_past_the_arrays_grows_them() -> None:
     p = PoolState("main", 16, 1, 4)
     p.init_pages(list(range(16)), [NO_PAGE] * 16, NO_PAGE, False)
     assert p.n_slots == len(p.pg_live) == 16
-    page = new_page(p, 16, 3, 7)
-    assert (p.n_slots, page.device, page.writer, page.refs) == (17, 3, 7, 1)
-    assert 3 not in p.free_pages
+    b = a_space(p)
+    new_members(p, one(b), one(16), one(3), "CopyTail")
+    page = p.pages[16]
+    assert page is not None
+    assert (p.n_slots, page.device, page.writer, page.refs) == (17, 3, b, 1)
+    assert 3 not in p.free_pages and p.spaces[b].members == [16]
 
 
 def test_snapshot_pages_equal_the_views(tmp_path: Path) -> None:
@@ -76,18 +91,16 @@ def test_a_space_slots_view_is_read_only(tmp_path: Path) -> None:
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.integers(1, 12), st.integers(0, 2**16), st.booleans(), st.booleans())
-def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffle: bool,
-                                                       fresh_first: bool) -> None:
-    """``new_pages`` (Materialize's apply, compiled) leaves the pool as ``new_page`` per page
-    would (pages, free slots, free page groups), in the order ``pick_slots`` hands out and in
-    any other."""
+def test_new_pages_in_one_event_equal_one_page_at_a_time(k: int, seed: int, shuffle: bool,
+                                                         fresh_first: bool) -> None:
+    """``new_members`` (Materialize's apply, one compiled call) of ``k`` pages leaves the pool
+    as ``k`` one-page calls would (pages, membership, free slots, free page groups), in the
+    order ``pick_slots`` hands out and in any other."""
     import copy
     import random
 
-    import numpy as np
-
     rng = random.Random(seed)
-    p = PoolState("main", 32, 1, 4)
+    p = PoolState("main", 32, 1, 16)
     n = rng.randint(k, 20)
     p.init_pages(list(range(n)), list(range(n)), 0, True)
     p.free_pages.take(list(range(n)))
@@ -96,8 +109,9 @@ def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffl
         p.free_slots.give([s])
         p.free_pages.give([int(p.pg_device[s])])
         p.pg_device[s] = NO_PAGE
-    slots = p.pick_slot_array(k)
-    devs = p.free_pages.lowest_array(k)
+    b = a_space(p)
+    slots = copy.deepcopy(p).pick_slot_array(k)
+    devs = copy.deepcopy(p.free_pages).lowest_array(k)
     if shuffle:
         reused = int(np.count_nonzero(slots < p.n_slots))
         head = slots[:reused].tolist()
@@ -106,31 +120,30 @@ def test_new_pages_as_arrays_equals_one_page_at_a_time(k: int, seed: int, shuffl
     reused = int(np.count_nonzero(slots < p.n_slots))
     if fresh_first and 0 < reused < k:                   # not pick order: one page at a time
         slots = np.concatenate([slots[reused:reused + 1], slots[:reused], slots[reused + 1:]])
-    writers = np.array([rng.randint(0, 5) for _ in range(k)], np.int64)
-    a, b = copy.deepcopy(p), copy.deepcopy(p)
-    new_pages(a, slots.astype(np.int32), devs.astype(np.int32), writers)
-    for s, d, w in zip(slots.tolist(), devs.tolist(), writers.tolist(), strict=True):
-        new_page(b, s, d, w)
-    assert page_tuples(a) == page_tuples(b)
-    assert list(a.free_slots) == list(b.free_slots) and list(a.free_pages) == list(b.free_pages)
-    assert a.n_slots == b.n_slots
+    a, c = copy.deepcopy(p), copy.deepcopy(p)
+    new_members(a, np.full(k, b, np.int32).tobytes(), slots.astype(np.int32).tobytes(),
+                devs.astype(np.int32).tobytes(), "Materialize")
+    for sl, d in zip(slots.tolist(), devs.tolist(), strict=True):
+        new_members(c, one(b), one(sl), one(d), "Materialize")
+    assert page_tuples(a) == page_tuples(c)
+    assert a.spaces[b].members == c.spaces[b].members == slots.tolist()
+    assert list(a.free_slots) == list(c.free_slots) and list(a.free_pages) == list(c.free_pages)
+    assert a.n_slots == c.n_slots and a.reserved == c.reserved
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.integers(1, 8), st.integers(0, 2**16), st.sampled_from(
     ["live slot", "skipped fresh slot", "taken page group", "page group twice", "slot twice"]))
-def test_new_pages_refuses_a_damaged_batch_and_changes_nothing(k: int, seed: int,
-                                                              damage: str) -> None:
+def test_new_pages_refuse_a_damaged_batch_and_change_nothing(k: int, seed: int,
+                                                             damage: str) -> None:
     """A Materialize from a damaged journal (a live slot, a fresh slot out of order, a page
-    group not free, one id twice): ``ValueError`` naming the element, and the pool as it
-    was — no slot or page group left taken."""
+    group not free, one id twice): refused naming the element, and the pool as it was — no
+    slot or page group left taken, no member added."""
     import copy
     import random
 
-    import numpy as np
-
     rng = random.Random(seed)
-    p = PoolState("main", 32, 1, 4)
+    p = PoolState("main", 32, 1, 16)
     n = rng.randint(2, 16)
     p.init_pages(list(range(n)), list(range(n)), 0, True)
     p.free_pages.take(list(range(n)))
@@ -139,8 +152,9 @@ def test_new_pages_refuses_a_damaged_batch_and_changes_nothing(k: int, seed: int
         p.free_slots.give([s])
         p.free_pages.give([int(p.pg_device[s])])
         p.pg_device[s] = NO_PAGE
-    slots = p.pick_slot_array(k).astype(np.int32)
-    devs = p.free_pages.lowest_array(k).astype(np.int32)
+    b = a_space(p)
+    slots = copy.deepcopy(p).pick_slot_array(k).astype(np.int32)
+    devs = copy.deepcopy(p.free_pages).lowest_array(k).astype(np.int32)
     j = rng.randrange(k)
     if damage == "live slot":
         slots[j] = 0
@@ -155,13 +169,15 @@ def test_new_pages_refuses_a_damaged_batch_and_changes_nothing(k: int, seed: int
     else:
         slots[j] = 0
     before = copy.deepcopy(p)
-    with pytest.raises(ValueError, match="new page"):
-        new_pages(p, slots, devs, np.zeros(k, np.int64))
+    with pytest.raises(AssertionError, match="new page"):
+        new_members(p, np.full(k, b, np.int32).tobytes(), slots.tobytes(), devs.tobytes(),
+                    "Materialize")
     assert page_tuples(p) == page_tuples(before) and p.n_slots == before.n_slots
     assert list(p.free_slots) == list(before.free_slots)
     assert list(p.free_pages) == list(before.free_pages)
     assert len(p.free_slots) == len(before.free_slots)
     assert len(p.free_pages) == len(before.free_pages)
+    assert p.spaces[b].members == [] and p.reserved == before.reserved
 
 
 @pytest.mark.parametrize("full", [-1, -3])
