@@ -1,8 +1,9 @@
 """``apply(Materialize)`` as one compiled call (``apply_kernels.materialize``) against the
 composition it replaced: ``materialize_plan``, ``new_pages`` (its free-list and page-field
-kernels), ``ensure_members`` and ``append_members``. Same state after a valid event; a damaged one (unknown, inactive or
-repeated ids, a live slot, a fresh slot out of order, a page group not free) is refused with
-the state digest unchanged — including when the arrays had to grow first."""
+kernels), ``ensure_members`` and ``append_members``. Same state after a valid event; a
+damaged one (unknown, inactive or repeated ids, a live slot, a fresh slot out of order, a
+page group not free) is refused with the state digest unchanged — including when the arrays
+had to grow first."""
 
 from __future__ import annotations
 
