@@ -54,7 +54,7 @@ class WriteGuard:
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name} position {x} is not mapped "
                     f"(membership {sp.nmem * P} tokens; ensure_mapped first, §8.1)")
-            if (self._pool, b) in self._store._touched:
+            if b in self._store._touched.get(self._pool, ()):
                 raise WritePermissionError(
                     f"checked write: seq {b} pool {p.name}: its table row has changes not yet "
                     "published; a kernel would write through the old entries (boundary first, "

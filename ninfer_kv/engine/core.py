@@ -77,7 +77,7 @@ class StoreCore:
         # device copies for the next boundary, in emission order (a page group freed and
         # reused within one record must be read by an earlier copy before it is overwritten)
         self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
-        self._touched: dict[tuple[str, int], int] = {}  # (pool, bundle) -> first block to publish
+        self._touched: dict[str, dict[int, int]] = {}  # pool -> bundle -> first block to publish
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
         self.arena: HostArenaBuffer | None = None
@@ -212,10 +212,12 @@ class StoreCore:
             self._pending.append(e)
 
     def _touch(self, pool: str, bundle: int, block: int) -> None:
-        key = (pool, bundle)
-        cur = self._touched.get(key)
+        d = self._touched.get(pool)
+        if d is None:
+            d = self._touched[pool] = {}
+        cur = d.get(bundle)
         if cur is None or block < cur:
-            self._touched[key] = block
+            d[bundle] = block
 
     def _append_pending(self) -> int:
         seq = self.state.seq
@@ -283,17 +285,11 @@ class StoreCore:
     def _publish_tables(self) -> None:
         """The block-table slices of every touched active space, from its first changed block
         on (unmapping what an earlier write mapped after it): one compiled pass per pool."""
-        todo: dict[str, list[tuple[int, int, int]]] = {}
-        pools = self.state.pools
-        for (pool, bundle), start in self._touched.items():
-            sp = pools[pool].spaces.get(bundle)
-            if sp is not None and sp.active:
-                todo.setdefault(pool, []).append((sp.row, start, sp.i))
-        self._touched.clear()
-        for pool, entries in todo.items():
-            p = pools[pool]
-            rows, starts, idx = np.array(entries, np.int64).T.copy()
-            self.device.write_rows(pool, rows, starts, idx, p.sp_members, p.sp_nmem, p.pg_device)
+        touched, self._touched = self._touched, {}
+        for pool, d in touched.items():
+            n = len(d)
+            self.device.write_rows(self.state.pools[pool], np.fromiter(d, np.int64, n),
+                                   np.fromiter(d.values(), np.int64, n))
 
     # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
     def close_boundary(self) -> int:

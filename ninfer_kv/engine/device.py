@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ninfer_kv.engine.layout import PoolGeometry
 from ninfer_kv.engine.round_kernels import publish_rows
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.pool import PoolState
 
 UNMAPPED = -1
 """Block-table entries beyond a row's membership hold -1, so a stray read faults loudly."""
@@ -65,19 +69,23 @@ class DeviceState:
             pd.block_tables[row, start:hi].copy_(torch.from_numpy(t[start:hi]),
                                                  non_blocking=True)
 
-    def write_rows(self, pool: str, rows: np.ndarray, starts: np.ndarray, idx: np.ndarray,
-                   sp_members: np.ndarray, sp_nmem: np.ndarray, pg_device: np.ndarray) -> None:
-        """``write_table`` for a batch of rows: row ``rows[j]`` from block ``starts[j]`` on
-        holds the device pages of space ``idx[j]`` (``PoolState.sp_*``), in one compiled pass
-        over the host image; a device table gets each changed slice copied."""
-        pd = self.pools[pool]
-        his = publish_rows(rows, starts, idx, sp_members, sp_nmem, pg_device, pd.host_tables,
-                           pd.published)
+    def write_rows(self, p: PoolState, bundles: np.ndarray, starts: np.ndarray) -> None:
+        """``write_table`` for a batch: the row of each active sequence ``bundles[j]`` of pool
+        ``p`` from block ``starts[j]`` on, in one compiled pass over the host image
+        (``round_kernels.publish_rows``); a device table gets each changed slice copied."""
+        pd = self.pools[p.name]
+        bad, done = publish_rows(bundles, starts, p.bundle_index, p.sp_active, p.sp_row,
+                                 p.sp_members, p.sp_nmem, p.pg_device, pd.host_tables,
+                                 pd.published)
         if self.device.type != "cpu":
-            for r, start, hi in zip(rows.tolist(), starts.tolist(), his.tolist(), strict=True):
+            for r, start, hi in done.tolist():
                 if hi > start:
                     pd.block_tables[r, start:hi].copy_(
                         torch.from_numpy(pd.host_tables[r, start:hi]), non_blocking=True)
+        if bad >= 0:
+            raise AssertionError(f"pool {p.name}: seq {int(bundles[bad])} holds execution row "
+                                 f"{int(p.sp_row[p.bundle_index[bundles[bad]]])}, outside the "
+                                 f"{len(pd.host_tables)} rows of its table (§7.2)")
 
     def planes(self, pool: str) -> list[torch.Tensor]:
         """Every plane of every layer of a pool (the page group's payload)."""

@@ -114,16 +114,30 @@ def grow_plan(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem:
 
 
 @njit(nogil=True)
-def publish_rows(rows: np.ndarray, starts: np.ndarray, idx: np.ndarray, sp_members: np.ndarray,
+def publish_rows(bundles: np.ndarray, starts: np.ndarray, bundle_index: np.ndarray,
+                 sp_active: np.ndarray, sp_row: np.ndarray, sp_members: np.ndarray,
                  sp_nmem: np.ndarray, pg_device: np.ndarray, host_tables: np.ndarray,
-                 published: np.ndarray) -> np.ndarray:
-    """The boundary's table-slice writes (``DeviceState.write_table`` for a batch, §13): row
-    ``rows[j]`` gets the device pages of space ``idx[j]``'s blocks ``starts[j]..`` and the
-    entries after them that an earlier write mapped are unmapped. Returns, per row, the end of
-    what changed (the caller copies ``[start, end)`` to a device table)."""
-    out = np.empty(rows.shape[0], np.int64)
-    for j in range(rows.shape[0]):
-        r, k, start = rows[j], idx[j], starts[j]
+                 published: np.ndarray) -> tuple[int, np.ndarray]:
+    """The boundary's table-slice writes (``DeviceState.write_table`` for a batch, §13): the
+    row of sequence ``bundles[j]`` gets the device pages of its blocks ``starts[j]..`` and the
+    entries after them that an earlier write mapped are unmapped. A sequence without an
+    active space (finished or released since it was touched) is skipped: it has no row.
+
+    Returns (-1, rows) where rows[k] = (row, start, end of what changed), one per row written
+    (the caller copies ``[start, end)`` to a device table), or (j, _) when sequence j's row
+    lies outside the table, which only a damaged state holds (nothing written from j on)."""
+    out = np.empty((bundles.shape[0], 3), np.int64)
+    n = 0
+    for j in range(bundles.shape[0]):
+        b = bundles[j]
+        if b < 0 or b >= bundle_index.shape[0]:
+            continue
+        k = bundle_index[b]
+        if k < 0 or not sp_active[k]:
+            continue
+        r, start = sp_row[k], starts[j]
+        if r < 0 or r >= host_tables.shape[0]:
+            return j, out[:n]
         end = max(start, sp_nmem[k])
         for i in range(start, end):
             host_tables[r, i] = pg_device[sp_members[k, i]]
@@ -131,8 +145,9 @@ def publish_rows(rows: np.ndarray, starts: np.ndarray, idx: np.ndarray, sp_membe
         for i in range(end, hi):
             host_tables[r, i] = -1
         published[r] = end
-        out[j] = hi
-    return out
+        out[n, 0], out[n, 1], out[n, 2] = r, start, hi
+        n += 1
+    return -1, out[:n]
 
 
 @njit(nogil=True)

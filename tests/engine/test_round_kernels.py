@@ -316,3 +316,81 @@ def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, d
     assert sp_committed[1] == full * P
     assert refs.tolist() == [1 + (s in shared) for s in range(6)]
     assert active.tolist() == [int(s in shared) for s in range(6)]
+
+
+def oracle_publish(bundles, starts, bundle_index, sp_active, sp_row, members, nmem, device,
+                   tables, published):
+    """``publish_rows`` from its rules: per touched sequence with an active space, its row's
+    entries from ``start`` to its membership end map its pages' device groups, the entries
+    an earlier write mapped after that end are unmapped."""
+    done = []
+    for b, start in zip(bundles, starts, strict=True):
+        k = bundle_index[b] if 0 <= b < len(bundle_index) else -1
+        if k < 0 or not sp_active[k]:
+            continue
+        r = sp_row[k]
+        if not 0 <= r < len(tables):
+            return len(done), done
+        end = max(start, nmem[k])
+        for i in range(start, end):
+            tables[r][i] = device[members[k][i]]
+        hi = max(end, published[r])
+        for i in range(end, hi):
+            tables[r][i] = -1
+        published[r] = end
+        done.append([r, start, hi])
+    return -1, done
+
+
+@st.composite
+def publications(draw):
+    """A pool of spaces (some inactive, rows distinct), device groups per slot, a table with
+    earlier writes in it, and a batch of touched sequences (unknown and negative ids too)."""
+    bundle_index, sp_active = draw(pools())
+    n, L, rows = len(sp_active), 6, 8
+    nslots = 20
+    device = np.array(draw(st.lists(st.integers(0, 50), min_size=nslots, max_size=nslots)), I64)
+    nmem = np.array(draw(st.lists(st.integers(0, L), min_size=n, max_size=n)), I64)
+    members = np.array(draw(st.lists(st.lists(st.integers(0, nslots - 1), min_size=L,
+                                              max_size=L), min_size=n, max_size=n)), np.int32)
+    sp_row = np.array(draw(st.permutations(list(range(rows))))[:n], I64)
+    published = np.array(draw(st.lists(st.integers(0, L), min_size=rows, max_size=rows)), I64)
+    tables = np.full((rows, L), -1, I64)
+    for r in range(rows):
+        tables[r, :published[r]] = draw(st.integers(0, 50))
+    nb = len(bundle_index)
+    touched = draw(st.lists(st.integers(-2, nb + 2), unique=True, max_size=6))
+    starts = [draw(st.integers(0, L)) for _ in touched]
+    return (np.array(touched, I64), np.array(starts, I64), bundle_index, sp_active, sp_row,
+            members, nmem, device, tables, published)
+
+
+@settings(max_examples=300, deadline=None)
+@given(publications())
+def test_publish_rows_matches_oracle(args):
+    """Unknown, negative and inactive sequences are skipped; every written row ends where
+    its membership (or its start) ends and holds nothing mapped after that."""
+    b, s, bundle_index, sp_active, sp_row, members, nmem, device, tables, published = args
+    want_t, want_p = tables.tolist(), published.tolist()
+    want = oracle_publish(b.tolist(), s.tolist(), bundle_index.tolist(), sp_active.tolist(),
+                          sp_row.tolist(), members.tolist(), nmem.tolist(), device.tolist(),
+                          want_t, want_p)
+    bad, done = rk.publish_rows(b, s, bundle_index, sp_active, sp_row, members, nmem, device,
+                                tables, published)
+    assert (bad, done.tolist()) == want
+    assert tables.tolist() == want_t and published.tolist() == want_p
+
+
+def test_publish_rows_stops_at_a_row_outside_the_table() -> None:
+    """An active space whose row is past the table (only a damaged state holds one) is
+    reported, and neither it nor anything after it is written (numba does not bounds-check:
+    the write would land in another row's memory)."""
+    bundle_index = np.array([0, 1], I64)
+    members = np.zeros((2, 2), np.int32)
+    tables, published = np.full((2, 2), -1, I64), np.zeros(2, I64)
+    for row in (2, -1):
+        bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), bundle_index,
+                                    np.array([True, True]), np.array([row, 1], I64), members,
+                                    np.array([1, 1], I64), np.array([7], I64), tables, published)
+        assert (bad, done.tolist()) == (0, [])
+        assert (tables == -1).all() and (published == 0).all()

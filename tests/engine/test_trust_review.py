@@ -369,3 +369,19 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
     assert again.recovery.snapshots_skipped  # and says so
     again.close()
     clean.close()
+
+
+def test_a_boundary_stops_on_an_execution_row_outside_the_table(tmp_path: Path) -> None:
+    """The boundary's compiled table write does not bounds-check: an active sequence whose
+    row lies past the table (a damaged state; apply never leases one) stops the store before
+    anything is written into another row's memory, instead of publishing through it."""
+    s = KVStore.open(small_config(tmp_path))
+    a, b = s.activate(100, 100), s.activate(100, 100)
+    step(s)
+    p, pd = s.state.pools["main"], s.device.pools["main"]
+    before = pd.host_tables.copy()
+    p.sp_row[p.spaces[a].i] = p.rows + 3   # damage: a row the table does not have
+    s.ensure_mapped_many("main", [a, b], [100, 100])
+    with pytest.raises(StoreFailed, match=f"row {p.rows + 3}, outside the {p.rows} rows"):
+        step(s)
+    assert (pd.host_tables == before).all()
