@@ -144,7 +144,8 @@ def digest(st: StoreState) -> str:
                            digest_size=16).hexdigest()
 
 
-def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray) -> None:
+def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray,
+                  next_bundle: int) -> None:
     """A snapshot's ids index the pool's arrays, and the compiled loops that later read them
     do not bounds-check: every page slot and membership slot below the slot count, every page
     group, row and membership length within the pool, or ``ValueError`` (the snapshot is then
@@ -161,6 +162,8 @@ def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray) -> N
             raise bad("a page group out of range")
     for t in ps.spaces:
         members, row = t[7], t[6]
+        if not 0 <= t[0] < next_bundle:  # a seq id indexes bundle_index (-1 would wrap)
+            raise bad(f"seq {t[0]} out of range of the ids handed out [0, {next_bundle})")
         if len(members) > spec.logical_pages or any(not 0 <= m < n for m in members):
             raise bad(f"seq {t[0]}: membership {list(members)[:8]} out of range")
         if not -1 <= row < spec.rows:
@@ -185,7 +188,7 @@ def decode_state(data: bytes) -> StoreState:
         p.n_slots = n
         p.pg_gen[:n] = ps.gens
         rows = np.array(ps.pages, np.int64).reshape(-1, 14)  # page_tuples, back to arrays
-        _check_ranges(ps, spec, n, rows)
+        _check_ranges(ps, spec, n, rows, snap.next_bundle)
         if len(rows):
             slots = rows[:, 0]
             p.ensure_slot(int(slots.max()))
@@ -217,6 +220,9 @@ def decode_state(data: bytes) -> StoreState:
                              f"{name!r} is out of range")
     st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}
     for t in snap.bundles:
+        if not 0 <= t[0] < snap.next_bundle:
+            raise ValueError(f"snapshot: seq {t[0]} out of range of the ids handed out [0, "
+                             f"{snap.next_bundle})")
         b = SequenceKVBundle(t[0], tuple(t[2]))
         b.active, b.finish_reason, b.parent, b.budget = t[1], t[3], t[4], t[5]
         if not 0 <= b.budget < (1 << 63):

@@ -319,7 +319,8 @@ def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["member", "negative member", "row", "page slot",
-                                    "page group", "pin"])
+                                    "page group", "pin", "negative seq", "seq past the next",
+                                    "negative bundle"])
 def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: str) -> None:
     """A snapshot's ids index the pool's arrays, and the compiled loops that read them later do
     not bounds-check: a Finish(retain) of a membership naming slot 67 of a 2-slot pool wrote
@@ -345,8 +346,8 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
         sp.members = [-1]
     elif damage == "row":
         sp.row = p.rows + 1
-    elif damage == "page slot":
-        pass  # below, in the encoded snapshot: a page whose slot no membership names
+    elif damage in ("page slot", "negative seq", "seq past the next", "negative bundle"):
+        pass  # below, in the encoded snapshot
     elif damage == "page group":
         p.pg_device[sp.members[0]] = p.capacity + 5
     else:
@@ -355,6 +356,15 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
     if damage == "page slot":
         snap = msgspec.msgpack.decode(payload, type=_StateSnap)
         snap.pools[0].pages[-1][0] = len(snap.pools[0].gens) + 7
+        payload = msgspec.msgpack.encode(snap)
+    elif damage in ("negative seq", "seq past the next"):  # a space's seq: bundle_index[-1]
+        snap = msgspec.msgpack.decode(payload, type=_StateSnap)   # would wrap to the last one
+        t = snap.pools[0].spaces[0]
+        snap.pools[0].spaces[0] = (-1 if damage == "negative seq" else snap.next_bundle, *t[1:])
+        payload = msgspec.msgpack.encode(snap)
+    elif damage == "negative bundle":
+        snap = msgspec.msgpack.decode(payload, type=_StateSnap)
+        snap.bundles[0] = (-2, *snap.bundles[0][1:])
         payload = msgspec.msgpack.encode(snap)
     with pytest.raises(ValueError, match="out of range"):
         decode_state(payload)
