@@ -7,10 +7,10 @@ shared or private, plus the pages still to be materialized).
 
 Storage: a space has a dense index ``i`` into its pool's per-space arrays (``PoolState.sp_*``),
 which hold the fields the decode round reads for every sequence — membership (slot ids, one
-row of ``sp_members`` with ``sp_nmem`` valid entries), committed frontier, entitlement, active
-flag, execution row — so a batch of C sequences is validated and applied with array
-operations, and a boundary publishes its block-table rows in one compiled pass. The object is
-the view the cold paths use; the other fields are plain attributes. ``PoolState.spaces``
+row of ``sp_members`` with ``sp_nmem`` valid entries), committed and provisional frontiers,
+entitlement, active flag, execution row — so a batch of C sequences is validated and applied
+with array operations, and a boundary publishes its block-table rows in one compiled pass.
+The object is the view the cold paths use; the other fields are plain attributes. ``PoolState.spaces``
 (bundle -> space) and ``PoolState.bundle_index`` (the same map as an array) are one structure.
 """
 
@@ -31,7 +31,7 @@ NO_ROW = -1
 
 
 class KVAddressSpace:
-    __slots__ = ("_p", "i", "bundle", "pool", "provisional", "incoming")
+    __slots__ = ("_p", "i", "bundle", "pool", "incoming")
 
     def __init__(self, p: PoolState, bundle: int, entitlement: int, row: int) -> None:
         self._p = p
@@ -44,7 +44,7 @@ class KVAddressSpace:
         p.sp_budget[self.i] = 0        # its bundle's budget (set by Activate; grow reads it)
         p.sp_entitlement[self.i] = entitlement  # pages guaranteed (membership + reservation)
         p.sp_active[self.i] = True
-        self.provisional = 0           # speculative frontier; never committed coverage
+        p.sp_provisional[self.i] = 0   # speculative frontier; never committed coverage
         p.sp_row[self.i] = row         # execution row, NO_ROW when inactive
         self.incoming = 0              # pages a Move/Fork of this record still hands over
 
@@ -101,6 +101,7 @@ class KVAddressSpace:
     entitlement = ArrayField("sp_entitlement", "i")
     active = ArrayField("sp_active", "i", bool)
     row = ArrayField("sp_row", "i")
+    provisional = ArrayField("sp_provisional", "i")
 
     @property
     def reserved(self) -> int:

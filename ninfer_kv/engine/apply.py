@@ -144,14 +144,19 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
-    spaces = st.pools[e.pool].spaces
-    pairs = list(zip(unpack(e.bundles).tolist(), unpack(e.frontiers).tolist(), strict=True))
-    assert all(b in spaces and spaces[b].active and 0 <= f <= spaces[b].nmem * P
-               for b, f in pairs), \
-        f"ProvisionalFrontiers of {e.pool}: a seq with no active space, or a frontier outside " \
-        "[0, its membership] (§8.2)"
-    for b, f in pairs:
-        spaces[b].provisional = f
+    """One compiled pass on the packed fields (``apply_kernels.apply_provisional``)."""
+    pool = st.pools[e.pool]
+    bad = ak.apply_provisional(e.bundles, e.frontiers, pool.bundle_index, pool.sp_active,
+                               pool.sp_nmem, pool.sp_provisional)
+    if bad == -1:
+        return
+    assert bad != ak.COMMIT_LENGTHS, \
+        f"ProvisionalFrontiers of {e.pool}: {len(e.bundles)} bytes of seqs, " \
+        f"{len(e.frontiers)} of frontiers (int32 each)"
+    b, f = unpack(e.bundles), unpack(e.frontiers)
+    raise AssertionError(
+        f"ProvisionalFrontiers of {e.pool}: seq {int(b[bad])} to {int(f[bad])}: no active "
+        "space, or a frontier outside [0, its membership] (§8.2)")
 
 
 def _truncate(st: StoreState, e: ev.Truncate) -> None:

@@ -75,6 +75,28 @@ def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
                         sp_members, pg_committed, sp_active)
 
 
+@njit(nogil=True)
+def apply_provisional(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
+                      sp_active: np.ndarray, sp_nmem: np.ndarray, sp_provisional: np.ndarray
+                      ) -> int:
+    """``apply(ProvisionalFrontiers)`` on the event's packed fields (§8.2): each space's
+    provisional frontier, in event order (a seq listed twice keeps its last). Returns -1, or
+    ``COMMIT_LENGTHS`` when the fields are not equally many int32s, or the first element
+    naming no active space or a frontier outside [0, its membership] — then nothing
+    changed."""
+    if len(b_raw) % 4 or len(f_raw) != len(b_raw):
+        return COMMIT_LENGTHS
+    bundles, frontiers = int32s(b_raw), int32s(f_raw)
+    for j in range(bundles.shape[0]):
+        b = bundles[j]
+        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        if i < 0 or not sp_active[i] or frontiers[j] < 0 or frontiers[j] > sp_nmem[i] * P:
+            return j
+    for j in range(bundles.shape[0]):
+        sp_provisional[bundle_index[bundles[j]]] = frontiers[j]
+    return -1
+
+
 GROW_BAD = 1
 """``apply_grow``: an element names no active space, one listed twice, a negative page count,
 or an entitlement past L."""

@@ -24,13 +24,7 @@ import numpy as np
 from ninfer_kv.engine import checked
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import (
-    as_int_array,
-    as_ints,
-    duplicated,
-    no_duplicates,
-    same_length,
-)
+from ninfer_kv.engine.args import as_int_array, duplicated, same_length
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
@@ -43,7 +37,6 @@ from ninfer_kv.errors import (
     WritePermissionError,
 )
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import pack
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
@@ -61,15 +54,6 @@ def lookup(p: PoolState, bundle: int, *, active: bool = False) -> KVAddressSpace
         raise InactiveSpace(f"seq {bundle} in pool {p.name} is an inactive checkpoint; "
                             "only an active address space can map or commit")
     return sp
-
-
-def batch(bundles: Sequence[int] | np.ndarray, bname: str, values: Sequence[int] | np.ndarray,
-          vname: str) -> tuple[list[int], list[int]]:
-    """Normalized batched arguments: plain ints, equal lengths, no duplicate sequence."""
-    bl, vl = as_ints(bname, bundles), as_ints(vname, values)
-    same_length(**{bname: bl, vname: vl})
-    no_duplicates(bname, bl)
-    return bl, vl
 
 
 def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
@@ -183,12 +167,16 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
 
 def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
                          frontiers: Sequence[int] | np.ndarray) -> None:
-    """Provisional frontiers (MTP / speculative lead, §8.2) within each membership."""
-    bl, fl = batch(bundles, "seqs", frontiers, "frontiers")
-    for b, f in zip(bl, fl, strict=True):
-        sp = lookup(p, b, active=True)
-        if not 0 <= f <= sp.nmem * P:
-            raise FrontierError(f"seq {b} pool {p.name}: provisional frontier {f} outside "
-                                f"[0, membership {sp.nmem * P}]")
-    if bl:
-        tx._emit(ev.ProvisionalFrontiers(p.name, pack(bl), pack(fl)))
+    """Provisional frontiers (MTP / speculative lead, §8.2) within each membership; checked
+    in one compiled pass (``round_kernels.provisional_round``), one event for the batch."""
+    b, f = batch_arrays(bundles, frontiers, "frontiers")
+    if not len(b):
+        return
+    code, j, i, out = rk.provisional_round(b, p.bundle_index, p.sp_active, f, p.sp_nmem)
+    if code in (rk.UNKNOWN, rk.DUPLICATE):
+        refuse_resolve(p, b, code, j)
+    if code != rk.OK:
+        raise FrontierError(f"seq {int(b[j])} pool {p.name}: provisional frontier {int(f[j])} "
+                            f"outside [0, membership {int(p.sp_nmem[i]) * P}]")
+    raw, w = out.tobytes(), 4 * len(b)  # seqs, frontiers: as ``pack`` writes them
+    tx._emit(ev.ProvisionalFrontiers(p.name, raw[:w], raw[w:]))

@@ -142,7 +142,8 @@ class PoolState:
                  "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces", "n_slots",
                  "pg_live", "host_of", *(f for f, _ in PG_FIELDS),
                  "sp_members", "sp_nmem", "sp_committed", "sp_protected", "sp_entitlement",
-                 "sp_active", "sp_bundle", "sp_budget", "sp_row", "sp_free", "bundle_index")
+                 "sp_active", "sp_bundle", "sp_budget", "sp_row", "sp_provisional", "sp_free",
+                 "bundle_index")
 
     def __init__(self, name: str, capacity: int, rows: int, logical_pages: int) -> None:
         self.name = name
@@ -174,6 +175,7 @@ class PoolState:
         self.sp_bundle = np.full(m, -1, I64)    # space index -> bundle (-1: free index)
         self.sp_budget = np.zeros(m, I64)       # its bundle's prompt + output budget
         self.sp_row = np.full(m, -1, I64)       # its execution row (-1: none, §7.2)
+        self.sp_provisional = np.zeros(m, I64)  # speculative frontier (§8.2)
         self.sp_free: list[int] = list(range(m - 1, -1, -1))  # stack: lowest index on top
         self.bundle_index = np.full(64, -1, I64)
         self.spaces = SpaceMap(self)            # bundle -> space
@@ -248,7 +250,7 @@ class PoolState:
             new = len(self.sp_members)
             for name, fill in (("sp_nmem", 0), ("sp_committed", 0), ("sp_protected", 0),
                                ("sp_entitlement", 0), ("sp_active", 0), ("sp_bundle", -1),
-                               ("sp_budget", 0), ("sp_row", -1)):
+                               ("sp_budget", 0), ("sp_row", -1), ("sp_provisional", 0)):
                 setattr(self, name, _grown(getattr(self, name), new, fill))
             self.sp_free = list(range(new - 1, old - 1, -1))
         return self.sp_free.pop()

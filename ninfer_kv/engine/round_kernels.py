@@ -218,6 +218,29 @@ def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.nd
 
 
 @njit(nogil=True)
+def provisional_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
+                      frontiers: np.ndarray, sp_nmem: np.ndarray
+                      ) -> tuple[int, int, int, np.ndarray]:
+    """``set_provisional_many``'s checks in one call (§8.2): every sequence an active space
+    of the pool, none twice, each frontier within [0, its membership]. Returns (code, j, the
+    space index of element ``j``, out): on ``OK``, ``out`` holds ``ProvisionalFrontiers``'
+    two fields as ``pack`` writes them (as ``commit_round``). Reads only."""
+    none = np.empty(0, np.int32)
+    idx, code, j = resolve(bundles, bundle_index, sp_active)
+    if code != OK:
+        return code, j, -1, none
+    for j in range(bundles.shape[0]):
+        f = frontiers[j]
+        if f < 0 or f > sp_nmem[idx[j]] * P:
+            return FRONTIER, j, idx[j], none
+    n = bundles.shape[0]
+    out = np.empty(2 * n, np.int32)
+    out[:n] = bundles
+    out[n:] = frontiers
+    return OK, -1, -1, out
+
+
+@njit(nogil=True)
 def without_device(slots: np.ndarray, pg_device: np.ndarray) -> np.ndarray:
     """The slots of ``slots`` whose page has no device replica (Host-only, §5.1), in order."""
     out = np.empty(slots.shape[0], np.int64)

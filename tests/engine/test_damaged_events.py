@@ -113,6 +113,10 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
             ev.Grow("main", pack(sorted(s.active())), pack([1]))],
         "Provisional of an unknown seq second": [
             ev.ProvisionalFrontiers("main", pack([a, 77]), pack([210, 1]))],
+        "Provisional with fewer frontiers than seqs": [
+            ev.ProvisionalFrontiers("main", pack(sorted(s.active())), pack([1]))],
+        "Provisional below zero second": [
+            ev.ProvisionalFrontiers("main", pack([a, a]), pack([1, -1]))],
         "Truncate above the committed frontier": [ev.Truncate(a, "main", 230)],
         "Release of an active seq": [ev.Release(a, "main")],
         "Move with a negative frontier": [ev.Move(ck, a, "main", -P)],

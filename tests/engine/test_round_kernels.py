@@ -394,3 +394,66 @@ def test_publish_rows_stops_at_a_row_outside_the_table() -> None:
                                     np.array([1, 1], I64), np.array([7], I64), tables, published)
         assert (bad, done.tolist()) == (0, [])
         assert (tables == -1).all() and (published == 0).all()
+
+
+@st.composite
+def provisionals(draw):
+    """A pool of spaces with memberships, and a batch of (seq, provisional frontier) pairs:
+    unknown, negative and repeated seqs, frontiers around [0, membership]."""
+    bundle_index, sp_active = draw(pools())
+    n = len(sp_active)
+    nmem = np.array(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), I64)
+    nb = len(bundle_index)
+    k = draw(st.integers(0, 6))
+    bundles = [draw(st.integers(-2, nb + 1)) for _ in range(k)]
+    frontiers = [draw(st.integers(-2, 4 * P + 2)) for _ in range(k)]
+    return np.array(bundles, I64), np.array(frontiers, I64), bundle_index, sp_active, nmem
+
+
+def oracle_provisional_verdict(bundles, frontiers, bundle_index, sp_active, nmem):
+    """§8.2: each seq an active space, each frontier within [0, its membership]."""
+    for j, (b, f) in enumerate(zip(bundles, frontiers, strict=True)):
+        i = bundle_index[b] if 0 <= b < len(bundle_index) else -1
+        if i < 0 or not sp_active[i] or not 0 <= f <= nmem[i] * P:
+            return j
+    return -1
+
+
+@settings(max_examples=400, deadline=None)
+@given(provisionals())
+def test_provisional_round_matches_oracle(args):
+    """The command refuses an unknown or repeated seq (``resolve``), then a frontier outside
+    [0, membership]; on success its output is the event's two packed fields."""
+    bundles, frontiers, bundle_index, sp_active, nmem = args
+    code, j, i, out = rk.provisional_round(bundles, bundle_index, sp_active, frontiers, nmem)
+    rcode, rj = oracle_resolve(bundles.tolist(), bundle_index, sp_active)
+    if rcode != rk.OK:
+        assert (code, j, len(out)) == (rcode, rj, 0)
+        return
+    bad = oracle_provisional_verdict(bundles.tolist(), frontiers.tolist(), bundle_index,
+                                     sp_active, nmem)
+    if bad >= 0:
+        assert (code, j, i, len(out)) == (rk.FRONTIER, bad, bundle_index[bundles[bad]], 0)
+    else:
+        assert (code, j) == (rk.OK, -1) and out.tobytes() == pack(bundles) + pack(frontiers)
+
+
+@settings(max_examples=400, deadline=None)
+@given(provisionals())
+def test_apply_provisional_matches_oracle(args):
+    """apply sets each space's provisional frontier in event order (a repeated seq keeps its
+    last), or, for a damaged event, names the first bad element and changes nothing."""
+    bundles, frontiers, bundle_index, sp_active, nmem = args
+    prov = np.arange(len(sp_active), dtype=I64) + 1000
+    want = prov.copy()
+    bad = oracle_provisional_verdict(bundles.tolist(), frontiers.tolist(), bundle_index,
+                                     sp_active, nmem)
+    if bad < 0:
+        for b, f in zip(bundles.tolist(), frontiers.tolist(), strict=True):
+            want[bundle_index[b]] = f
+    got = ak.apply_provisional(pack(bundles), pack(frontiers), bundle_index, sp_active, nmem,
+                               prov)
+    assert got == bad and prov.tolist() == want.tolist()
+    assert ak.apply_provisional(pack(bundles), pack([*frontiers.tolist(), 0]), bundle_index,
+                                sp_active, nmem, prov) == ak.COMMIT_LENGTHS
+    assert prov.tolist() == want.tolist()
