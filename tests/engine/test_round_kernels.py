@@ -406,7 +406,8 @@ def provisionals(draw):
     nb = len(bundle_index)
     k = draw(st.integers(0, 6))
     bundles = [draw(st.integers(-2, nb + 1)) for _ in range(k)]
-    frontiers = [draw(st.integers(-2, 4 * P + 2)) for _ in range(k)]
+    edge = st.sampled_from([-1, 0, P, 4 * P, 4 * P + 1])  # where a rule's edge lies
+    frontiers = [draw(st.one_of(edge, st.integers(-2, 4 * P + 2))) for _ in range(k)]
     return np.array(bundles, I64), np.array(frontiers, I64), bundle_index, sp_active, nmem
 
 
@@ -456,4 +457,7 @@ def test_apply_provisional_matches_oracle(args):
     assert got == bad and prov.tolist() == want.tolist()
     assert ak.apply_provisional(pack(bundles), pack([*frontiers.tolist(), 0]), bundle_index,
                                 sp_active, nmem, prov) == ak.COMMIT_LENGTHS
+    raw = pack(bundles) + b"\0\0"    # equally long fields, not whole int32s
+    assert ak.apply_provisional(raw, raw, bundle_index, sp_active, nmem,
+                                prov) == ak.COMMIT_LENGTHS
     assert prov.tolist() == want.tolist()

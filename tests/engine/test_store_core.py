@@ -197,6 +197,8 @@ def _errors(s: KVStore):
         (InvalidArgument, "more than once", lambda: s.commit_many("main", [a, a], [64, 64])),
         (StaleHandle, "stale", lambda: s.page(PageHandle("main", 0, 7))),
         (FrontierError, "provisional frontier 999", lambda: s.set_provisional(a, "main", 999)),
+        (FrontierError, r"provisional frontier -1 outside \[0,",
+         lambda: s.set_provisional(a, "main", -1)),
     ]
 
 
