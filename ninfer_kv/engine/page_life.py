@@ -26,8 +26,7 @@ def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
     dead = ak.dead_slots(slots, pool.pg_refs, pool.pg_pins)
     if not len(dead):
         return
-    if pool.host_of:
-        hosts = [pool.host_of.get(s) for s in dead.tolist()]
+    hosted = dead[pool.pg_host_off[dead] >= 0] if pool.host_of else dead[:0]
     j, freed, low, low_slot = ak.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
                                            pool.free_pages.bits, pool.free_slots.bits)
     if j >= 0:
@@ -39,11 +38,10 @@ def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
         pool.free_pages.lo = min(pool.free_pages.lo, low)
     pool.free_slots.n += len(dead)
     pool.free_slots.lo = min(pool.free_slots.lo, low_slot)
-    if pool.host_of:
-        for s, h in zip(dead.tolist(), hosts, strict=True):
-            if h is not None:
-                del pool.host_of[s]
-                st.host.free(h[0])  # type: ignore[union-attr]
+    for s in hosted.tolist():
+        off = int(pool.pg_host_off[s])
+        del pool.host_of[s]
+        st.host.free(off)  # type: ignore[union-attr]
 
 
 def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,

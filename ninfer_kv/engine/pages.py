@@ -6,10 +6,10 @@ A slot is recycled — and its generation advanced — only when references, rep
 all zero (§5.3 last paragraph); a handle with an old generation then fails loudly.
 
 Storage: every field lives in the pool's per-slot arrays (``PoolState.pg_*``, structure of
-arrays; the host replica in ``PoolState.host_of``), so the decode round, Materialize and the
-release of a membership work on whole batches of slots. A ``LogicalKVPage`` is the per-page
-view the cold paths use; ``PoolState.pages[slot]`` makes one on demand (None for a free slot).
-Each field has exactly one home.
+arrays; the host replica in ``pg_host_*``, read through ``PoolState.host_of``), so the decode
+round, Materialize and the release of a membership work on whole batches of slots. A
+``LogicalKVPage`` is the per-page view the cold paths use; ``PoolState.pages[slot]`` makes one
+on demand (None for a free slot). Each field has exactly one home.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class ArrayField:
 
 
 class HostField:
-    """A page's host replica ``(offset, epoch, coverage, checksum)`` or None, kept in its
-    pool's ``host_of`` dict (few pages have one)."""
+    """A page's host replica ``(offset, epoch, coverage, checksum)`` or None, through its
+    pool's ``host_of`` (``pool.HostMap`` over the ``pg_host_*`` arrays)."""
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
         if obj is None:
@@ -60,7 +60,7 @@ class HostField:
 
 class LogicalKVPage:
     """The view of one live slot of a pool (``PoolState.pages[slot]``); every field lives in
-    the pool's per-slot arrays (``pg_*``) or ``host_of``, so a view is two references and any
+    the pool's per-slot arrays (``pg_*``), so a view is two references and any
     number of views of one slot agree. Only ``apply`` changes the fields."""
 
     __slots__ = ("_p", "slot")

@@ -14,7 +14,8 @@ Structure of arrays: the per-page fields live in ``pg_*`` (by slot; ``pg_live`` 
 of the ``n_slots`` slots ever used hold a page), the per-space ones in ``sp_*`` (by a space's
 dense index, recycled when the space is dropped); ``LogicalKVPage`` and ``KVAddressSpace`` are
 views over them (engine/pages.py, engine/address_space.py). ``pages[slot]`` makes a page's
-view (None for a free slot), ``gens[slot]`` reads a slot's generation; ``spaces`` maps bundle
+view (None for a free slot), ``gens[slot]`` reads a slot's generation; ``host_of`` maps a
+slot to its host replica, kept in ``pg_host_*`` (offset -1 = none); ``spaces`` maps bundle
 -> space and keeps ``bundle_index`` (the same map as an array, -1 = none) in step. Arrays grow
 by doubling; their spare tail holds no state.
 """
@@ -22,6 +23,7 @@ by doubling; their spare tail holds no state.
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import numpy as np
 
@@ -131,9 +133,74 @@ class GenTable:
         return iter(self._p.pg_gen[:self._p.n_slots].tolist())
 
 
+class HostMap(MutableMapping[int, tuple[int, int, int, int]]):
+    """``PoolState.host_of``: slot -> host replica ``(offset, epoch, coverage, checksum)`` of
+    its page (§5.1), stored in ``pg_host_off`` / ``_epoch`` / ``_cov`` / ``_crc``; a slot
+    without one holds offset -1 and zeros. Iterated in slot order; ``len`` is kept as a
+    count (``if pool.host_of:`` is O(1) on the hot paths)."""
+
+    __slots__ = ("_p", "_n")
+
+    def __init__(self, p: PoolState) -> None:
+        self._p = p
+        self._n = 0
+
+    def _has(self, slot: object) -> bool:
+        off = self._p.pg_host_off
+        return isinstance(slot, int | np.integer) and 0 <= slot < len(off) and off[slot] >= 0
+
+    def __contains__(self, slot: object) -> bool:
+        return self._has(slot)
+
+    def get(self, slot: int, default: Any = None) -> Any:  # type: ignore[override]
+        if not self._has(slot):
+            return default
+        p = self._p
+        return (int(p.pg_host_off[slot]), int(p.pg_host_epoch[slot]), int(p.pg_host_cov[slot]),
+                int(p.pg_host_crc[slot]))
+
+    def __getitem__(self, slot: int) -> tuple[int, int, int, int]:
+        if not self._has(slot):
+            raise KeyError(slot)
+        return self.get(slot)  # type: ignore[no-any-return]
+
+    def __setitem__(self, slot: int, replica: tuple[int, int, int, int]) -> None:
+        p = self._p
+        off, epoch, cov, crc = replica
+        assert off >= 0, f"{p.name} slot {slot}: a host replica at offset {off}"
+        if slot >= len(p.pg_host_off):
+            p.ensure_slot(slot)
+        if p.pg_host_off[slot] < 0:
+            self._n += 1
+        p.pg_host_off[slot], p.pg_host_epoch[slot] = off, epoch
+        p.pg_host_cov[slot], p.pg_host_crc[slot] = cov, crc
+
+    def __delitem__(self, slot: int) -> None:
+        if not self._has(slot):
+            raise KeyError(slot)
+        p = self._p
+        p.pg_host_off[slot] = NO_HOST
+        p.pg_host_epoch[slot] = p.pg_host_cov[slot] = p.pg_host_crc[slot] = 0
+        self._n -= 1
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._p.pg_host_off >= 0).tolist())
+
+    def __len__(self) -> int:
+        return self._n
+
+    def recount(self) -> None:
+        """Count the replicas again after the arrays were written wholesale (a snapshot)."""
+        self._n = int((self._p.pg_host_off >= 0).sum())
+
+
+NO_HOST = -1
+"""``pg_host_off`` of a slot whose page has no host replica."""
+
 PG_FIELDS = (("pg_gen", 0), ("pg_epoch", 0), ("pg_committed", 0), ("pg_protected", 0),
              ("pg_refs", 0), ("pg_active", 0), ("pg_writer", -1), ("pg_device", -1),
-             ("pg_pins", 0))
+             ("pg_pins", 0), ("pg_host_off", NO_HOST), ("pg_host_epoch", 0), ("pg_host_cov", 0),
+             ("pg_host_crc", 0))
 """The per-slot int64 arrays and the value of a slot that never held a page."""
 
 
@@ -161,7 +228,7 @@ class PoolState:
         for name, fill in PG_FIELDS:
             setattr(self, name, np.full(n, fill, I64))
         self.pg_live = np.zeros(n, np.bool_)
-        self.host_of: dict[int, tuple[int, int, int, int]] = {}  # slot -> host replica
+        self.host_of = HostMap(self)            # slot -> host replica (pg_host_*)
         self.pages = PageTable(self)
         self.gens = GenTable(self)
         # per space index (KVAddressSpace's array-backed fields)

@@ -88,14 +88,11 @@ def page_table(p: PoolState) -> np.ndarray:
     one int64 array built from the pool's arrays (a snapshot and the digest cost a few array
     passes, not one view per page)."""
     live = np.flatnonzero(p.pg_live[:p.n_slots])
-    host = np.tile(np.array([NO_PAGE, 0, 0, 0], np.int64), (len(live), 1))
-    held = np.array(sorted(s for s in p.host_of if s < p.n_slots and p.pg_live[s]), np.int64)
-    if len(held):
-        host[np.searchsorted(live, held)] = [p.host_of[s] for s in held.tolist()]
     cols = [live, *(a[live] for a in (p.pg_gen, p.pg_epoch, p.pg_committed, p.pg_protected,
                                       p.pg_refs, p.pg_active, p.pg_writer, p.pg_device,
-                                      p.pg_pins))]
-    return np.column_stack([*cols, host]).astype(np.int64, copy=False)
+                                      p.pg_pins, p.pg_host_off, p.pg_host_epoch,
+                                      p.pg_host_cov, p.pg_host_crc))]
+    return np.column_stack(cols).astype(np.int64, copy=False)
 
 
 def page_tuples(p: PoolState) -> list[list[int]]:
@@ -160,6 +157,9 @@ def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray,
             raise bad("a page slot out of range or listed twice")
         if devs.min() < NO_PAGE or devs.max() >= spec.capacity:
             raise bad("a page group out of range")
+        none = pages[:, 10] == NO_PAGE  # no host replica: offset -1, the rest zeros
+        if pages[:, 10].min() < NO_PAGE or pages[none, 11:].any():
+            raise bad("a host replica field out of range")
     for t in ps.spaces:
         members, row = t[7], t[6]
         if not 0 <= t[0] < next_bundle:  # a seq id indexes bundle_index (-1 would wrap)
@@ -195,10 +195,10 @@ def decode_state(data: bytes) -> StoreState:
             p.pg_live[slots] = True
             for k, field in enumerate(("pg_gen", "pg_epoch", "pg_committed", "pg_protected",
                                        "pg_refs", "pg_active", "pg_writer", "pg_device",
-                                       "pg_pins"), start=1):
+                                       "pg_pins", "pg_host_off", "pg_host_epoch",
+                                       "pg_host_cov", "pg_host_crc"), start=1):
                 getattr(p, field)[slots] = rows[:, k]
-            for r in rows[rows[:, 10] != NO_PAGE].tolist():
-                p.host_of[r[0]] = (r[10], r[11], r[12], r[13])
+            p.host_of.recount()
         p.free_slots = FreeIds(len(p.pg_live), np.flatnonzero(~p.pg_live[:n]))
         for t in ps.spaces:
             sp = KVAddressSpace(p, t[0], t[5], t[6])

@@ -211,3 +211,38 @@ def test_a_damaged_fork_or_share_with_negative_pages_is_refused(tmp_path: Path,
     with pytest.raises(AssertionError, match="Share"):
         apply(st, ev.Share(a, st.next_bundle, "main", full))
     s.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40),
+                          st.tuples(st.integers(0, 1 << 40), st.integers(0, 9),
+                                    st.integers(1, 64), st.integers(0, (1 << 32) - 1))),
+                max_size=30))
+def test_host_replicas_in_arrays_behave_as_a_dict(ops) -> None:
+    """``host_of`` (slot -> replica over the ``pg_host_*`` arrays) against a dict: sets
+    (a newer replica replaces the old), deletes, lookups, order, the count; a slot without a
+    replica holds offset -1 and zeros, so the snapshot's page rows need no dict."""
+    p = PoolState("main", 16, 2, 8)
+    model: dict[int, tuple[int, int, int, int]] = {}
+    for put, slot, replica in ops:
+        if put:
+            p.host_of[slot] = replica
+            model[slot] = replica
+        elif slot in model:
+            del p.host_of[slot]
+            del model[slot]
+        else:
+            with pytest.raises(KeyError):
+                del p.host_of[slot]
+        assert dict(p.host_of.items()) == model and list(p.host_of) == sorted(model)
+        assert len(p.host_of) == len(model) and bool(p.host_of) == bool(model)
+        assert all((s in p.host_of) == (s in model) and p.host_of.get(s) == model.get(s)
+                   for s in range(-1, 42))
+        none = p.pg_host_off < 0
+        assert (p.pg_host_off[none] == NO_PAGE).all()
+        assert not (p.pg_host_epoch[none].any() or p.pg_host_cov[none].any()
+                    or p.pg_host_crc[none].any())
+    p.host_of.recount()
+    assert len(p.host_of) == len(model)
+    with pytest.raises(AssertionError, match="offset -1"):
+        p.host_of[3] = (-1, 0, 0, 0)
