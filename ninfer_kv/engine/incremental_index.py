@@ -122,6 +122,7 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
         pool.pg_active, pool.pg_pins, pool.pg_protected, pool.pg_committed, pool.pg_writer,
         pool.free_slots.bits).tolist()
     host_of = pool.host_of
+    hosted = bool(host_of)  # once: the view's len is a method call
     fpb = pool.free_pages.bits
     nfp = len(fpb)
     refs, arefs, devs, lease = pm.refs, pm.arefs, pm.dev, pm.lease
@@ -148,7 +149,7 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
                 if 0 <= new < nfp and fpb[new]:
                     out.append(f"leased device page {new} (slot {s}) is also on the free list")
             devs[s] = new
-        h = host_of.get(s) if live and host_of else None
+        h = host_of.get(s) if live and hosted else None
         if host is not None:
             host.sync_page(pm.name, s, h, out)
         if live and free_slot_l[j]:

@@ -96,10 +96,8 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
         sole = sole_pages(p, sp.slots)
         idle = int(np.count_nonzero((p.pg_device[sp.slots] != NO_PAGE)
                                     & (p.pg_active[sp.slots] == 0)))
-        sole_host = 0
-        if p.host_of:
-            sole_host = sum(1 for s, r in zip(sp.slots.tolist(), p.pg_refs[sp.slots].tolist(),
-                                              strict=True) if r == 1 and s in p.host_of)
+        sole_host = int(np.count_nonzero((p.pg_refs[sp.slots] == 1)
+                                         & (p.pg_host_off[sp.slots] >= 0)))
         pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
                                     dev * page_bytes[name], hst * page_bytes[name], sole, idle,
                                     sole_host)
@@ -118,12 +116,9 @@ def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
     """(device pages, pages with a valid host replica covering their committed columns —
     ``host.replica_valid``, §5.1) among ``slots`` of pool ``p``; array reads, no page views."""
     dev = int(np.count_nonzero(p.pg_device[slots] != NO_PAGE))
-    hst = 0
-    if p.host_of:
-        for s, epoch, committed in zip(slots.tolist(), p.pg_epoch[slots].tolist(),
-                                       p.pg_committed[slots].tolist(), strict=True):
-            h = p.host_of.get(s)
-            hst += h is not None and h[1] == epoch and h[2] >= committed
+    hst = int(np.count_nonzero((p.pg_host_off[slots] >= 0)
+                               & (p.pg_host_epoch[slots] == p.pg_epoch[slots])
+                               & (p.pg_host_cov[slots] >= p.pg_committed[slots])))
     return dev, hst
 
 

@@ -162,9 +162,8 @@ def _pages(pool: PoolState, live: np.ndarray, refs: np.ndarray, active_refs: np.
     for s in live[has & (pr > 1)].tolist():
         out.append(f"page {s} is shared ({int(pool.pg_refs[s])} refs) but has writer "
                    f"{int(pool.pg_writer[s])} (§9.4)")
-    for s in live[(pr == 0) & (pool.pg_pins[live] == 0)].tolist():
-        if s not in pool.host_of:
-            out.append(f"page {s} has no reference, pin or replica but is not recycled")
+    for s in live[(pr == 0) & (pool.pg_pins[live] == 0) & (pool.pg_host_off[live] < 0)].tolist():
+        out.append(f"page {s} has no reference, pin or replica but is not recycled")
 
 
 def _expected_pins(st: StoreState, name: str, pending: Counter[tuple[str, int]]) -> np.ndarray:

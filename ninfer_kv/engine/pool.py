@@ -189,6 +189,9 @@ class HostMap(MutableMapping[int, tuple[int, int, int, int]]):
     def __len__(self) -> int:
         return self._n
 
+    def __bool__(self) -> bool:
+        return self._n > 0
+
     def recount(self) -> None:
         """Count the replicas again after the arrays were written wholesale (a snapshot)."""
         self._n = int((self._p.pg_host_off >= 0).sum())
