@@ -116,7 +116,7 @@ def main() -> None:
     for every in (False, True):  # sync=commit: durable records only (now) / every record
         saved = core.changes_what_survives
         if every:
-            core.changes_what_survives = lambda events: True
+            core.changes_what_survives = lambda events, st: True
         try:
             with tempfile.TemporaryDirectory() as d:
                 store, ids = open_store(a.seqs, a.rounds // 8, d, sync=SyncPolicy.COMMIT)

@@ -135,7 +135,7 @@ class Leader:
     def _on_record(self, seq: int, events: list[Any]) -> None:
         frame, self._crc = pack_record(seq, self._crc, self.salt, 0, CODEC.encode(events))
         self._frames.append(frame)
-        self._durable = self._durable or changes_what_survives(events)
+        self._durable = self._durable or changes_what_survives(events, self.store.state)
 
     def _await_acks(self, n: int) -> None:
         """Every standby's ack of message ``n``, or stop the stream: a boundary whose durable

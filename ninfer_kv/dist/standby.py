@@ -77,7 +77,7 @@ def own_publish(e: ev.HostPublish, crcs: list[int]) -> ev.HostPublish:
 def persist(store: KVStore, events: list[Any]) -> int:
     """Append one applied record to the standby's journal; returns its seq there."""
     assert store.journal is not None
-    return store.journal.append(events, durable=changes_what_survives(events))
+    return store.journal.append(events, durable=changes_what_survives(events, store.state))
 
 
 def promote(store: KVStore) -> KVStore:

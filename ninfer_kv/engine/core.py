@@ -49,12 +49,33 @@ reopen aborts, or device state, which never survives (README, "Durability contra
 _SURVIVAL_TYPES = frozenset(SURVIVAL_EVENTS)  # event structs are final: no subclasses
 
 
-def changes_what_survives(events: list[Any]) -> bool:
-    """Whether a record must be fsynced under ``sync="commit"``: it holds a
-    ``SURVIVAL_EVENTS`` event other than a ``Finish`` that retains nothing."""
+def changes_what_survives(events: list[Any], st: StoreState) -> bool:
+    """Whether a record must be fsynced under ``sync="commit"`` (and a standby must
+    acknowledge it), given ``st``, the state after the record: it holds a ``SURVIVAL_EVENTS``
+    event that changes what a reopen keeps. Not one: a ``Finish`` that retains nothing; a
+    ``SetMetadata`` of a sequence still active after the record (a reopen aborts it; the
+    record that retains it is durable and covers this one, the log being sequential); the
+    ``Share`` and ``Release`` of a checkpoint this same record made and released (``fork_live``'s
+    transient checkpoint)."""
+    made: set[int] | None = None
     for e in events:
         t = type(e)
-        if t in _SURVIVAL_TYPES and (t is not ev.Finish or e.retain):
+        if t not in _SURVIVAL_TYPES:
+            continue
+        if t is ev.Finish:
+            if e.retain:
+                return True
+        elif t is ev.SetMetadata:
+            b = st.bundles.get(e.bundle)
+            if b is None or not b.active:
+                return True
+        elif t is ev.Share or t is ev.Release:
+            if made is None:  # checkpoints this record made
+                made = {x.dst for x in events if type(x) is ev.Share}
+            ck = e.dst if t is ev.Share else e.bundle
+            if ck not in made or ck in st.bundles:  # an older one, or one that outlives it
+                return True
+        else:
             return True
     return False
 
@@ -224,7 +245,7 @@ class StoreCore:
         if self._pending:
             if self.journal is not None:
                 seq = self.journal.append(self._pending, durable=changes_what_survives(
-                    self._pending))
+                    self._pending, self.state))
             else:
                 seq += 1
             self.state.seq = seq

@@ -136,6 +136,14 @@ def test_only_messages_with_durable_records_wait_for_the_ack(tmp_path: Path) -> 
             pass
         store.commit(s, "main", t)
     assert leader.stats["acked"] == 0 and not link.acks
+    child = store.fork_live(s, 8)                # a transient checkpoint, made and released
+    with leader.boundary():
+        pass
+    store.set_metadata(child, {"n": 2})          # of a running sequence: a reopen aborts it
+    with leader.boundary():
+        pass
+    assert leader.stats["acked"] == 0
+    store.finish(child, retain=False)
     store.finish(s, retain=False)                # nothing survives either way: no ack
     with leader.boundary():
         pass

@@ -81,3 +81,48 @@ def test_other_policies_are_unchanged(tmp_path: Path) -> None:
     checkpoint_at(s, 100)  # a retained finish: still no fsync under "off"
     assert not synced(s)
     s.close()
+
+
+def test_share_prefix_is_fsynced(tmp_path: Path) -> None:
+    """A Share whose checkpoint outlives its record is durable (fork_live's, released in the
+    same record, is not: below)."""
+    s = store(tmp_path)
+    a = s.activate(10, 300)
+    s.ensure_mapped(a, "main", 130)
+    step(s)
+    s.commit(a, "main", 130)
+    step(s)
+    assert not synced(s)
+    s.share_prefix(a)
+    step(s)
+    assert synced(s)
+    s.close()
+
+
+def test_fork_live_and_metadata_of_a_running_sequence_are_not_fsynced(tmp_path: Path) -> None:
+    """Review note: fork_live journals Share + Fork + Release of a transient checkpoint, and
+    set_metadata of a running sequence changes nothing a reopen keeps (it aborts running
+    sequences); both were fsynced (and, with standbys, waited for their acks). The record
+    that retains the sequence is durable, covers the metadata record before it, and the
+    metadata survives a reopen."""
+    s = store(tmp_path)
+    a = s.activate(10, 300)
+    s.ensure_mapped(a, "main", 130)
+    step(s)
+    s.commit(a, "main", 130)
+    step(s)
+    child = s.fork_live(a, 50)             # whole pages shared + a COW tail
+    step(s)
+    assert not synced(s)
+    s.set_metadata(child, {"tokens": [7, 8]})
+    step(s)
+    assert not synced(s)
+    ck = s.finish(child, retain=True)
+    step(s)
+    assert synced(s) and ck is not None
+    s.offload(ck)  # a checkpoint survives a reopen with host replicas (§5.1)
+    step(s)
+    s.close()
+    again = KVStore.open(s.config)
+    assert again.checkpoint_info(ck).metadata == {"tokens": [7, 8]}
+    again.close()
