@@ -57,11 +57,20 @@ def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
 
 
 def host_publish(st: StoreState, e: ev.HostPublish) -> None:
+    """The pending transfer at ``e.offset`` becomes its pages' host replicas (an older
+    replica's extent is freed). Everything is checked before anything changes: the fields'
+    lengths, every slot a live page, every new offset and every replaced one a live extent
+    (only a damaged journal or snapshot breaks these)."""
     pool_name, slots, offsets = st.host_pending[e.offset]
     n = {len(unpack(e.epochs)), len(unpack(e.coverage)), len(unpack_u32(e.checksums))}
     assert n == {len(slots)}, f"HostPublish at {e.offset}: {len(slots)} slots, fields of {n}"
-    del st.host_pending[e.offset]
     pool = st.pools[pool_name]
+    _live(pool, list(slots), "HostPublish")
+    live = st.host.live  # type: ignore[union-attr]
+    old = [h[0] for h in map(pool.host_of.get, slots) if h is not None]
+    bad = [o for o in (*offsets, *old) if o not in live]
+    assert not bad, f"HostPublish at {e.offset}: extents {bad[:4]} are not allocated"
+    del st.host_pending[e.offset]
     for i, (slot, ep, cov, crc) in enumerate(zip(
             slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
             unpack_u32(e.checksums).tolist(), strict=True)):

@@ -212,6 +212,10 @@ def decode_state(data: bytes) -> StoreState:
     if snap.host_capacity >= 0:
         st.host = ExtentAllocator.restore(snap.host_capacity, snap.host_free, snap.host_live)
         st.host_pending = {o: (p, tuple(s), tuple(f)) for o, p, s, f in snap.host_pending}
+        stray = [o for _, _, _, offs in snap.host_pending for o in offs if o not in st.host.live]
+        if stray:  # a pending transfer's extents are allocated (HostReserve carved them)
+            raise ValueError(f"snapshot: pending host transfer extents {stray[:4]} out of range "
+                             "of the allocated ones")
         st.host_persistent = snap.host_persistent
     for name, slots in [*((p, [s]) for p, s, _ in snap.copy_pins),
                         *((p, s) for _, p, s, _ in snap.host_pending)]:

@@ -320,7 +320,8 @@ def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["member", "negative member", "row", "page slot",
                                     "page group", "pin", "negative seq", "seq past the next",
-                                    "negative bundle", "host offset", "half a host replica"])
+                                    "negative bundle", "host offset", "half a host replica",
+                                    "pending extent"])
 def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: str) -> None:
     """A snapshot's ids index the pool's arrays, and the compiled loops that read them later do
     not bounds-check: a Finish(retain) of a membership naming slot 67 of a 2-slot pool wrote
@@ -330,7 +331,8 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
 
     from ninfer_kv.engine.state import _StateSnap, decode_state, encode_state
 
-    s = KVStore.open(small_config(tmp_path))
+    host = {"host_bytes": 8 << 20} if damage == "pending extent" else {}
+    s = KVStore.open(small_config(tmp_path, **host))
     a = s.activate(100, 100)
     s.ensure_mapped(a, "main", 100)
     step(s)
@@ -353,6 +355,12 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
         p.pg_device[sp.members[0]] = p.capacity + 5
     else:
         st.copy_pins[("main", p.n_slots + 9)] = 1
+    if damage == "pending extent":  # a transfer in flight whose extent was never carved
+        s.offload(ck)
+        st = decode_state(encode_state(s.state))
+        (first, (name, slots, offs)), = st.host_pending.items()
+        st.host_pending[first] = (name, slots, (offs[0], -4096, *offs[2:]))
+        step(s)  # let the real transfer finish before the store closes
     payload = encode_state(st)
     if damage == "page slot":
         snap = msgspec.msgpack.decode(payload, type=_StateSnap)
@@ -401,3 +409,34 @@ def test_a_boundary_stops_on_an_execution_row_outside_the_table(tmp_path: Path) 
     with pytest.raises(StoreFailed, match=f"row {p.rows + 3}, outside the {p.rows} rows"):
         step(s)
     assert (pd.host_tables == before).all()
+
+
+@pytest.mark.parametrize("damage", ["new extent", "replaced extent", "dead slot"])
+def test_a_host_publish_refused_changes_nothing(tmp_path: Path, damage: str) -> None:
+    """Review finding: a HostPublish whose pending transfer names an extent that is not
+    allocated (a damaged state; apply and decode_state never make one) was refused midway —
+    the transfer gone, one page published and unpinned, the others pinned. Every rule is now
+    checked before anything changes."""
+    from ninfer_kv.engine.apply import apply
+    from ninfer_kv.engine.state import digest
+    from ninfer_kv.errors import APPLY_ERRORS
+
+    s = KVStore.open(small_config(tmp_path, host_bytes=8 << 20, pages=64))
+    ck = checkpoint_at(s, 150)
+    s.offload(ck)   # HostReserve applied; its HostPublish would come at the boundary
+    st = s.state
+    (first, (pool, slots, offs)), = st.host_pending.items()
+    p = st.pools[pool]
+    if damage == "new extent":
+        st.host_pending[first] = (pool, slots, (offs[0], -4096, *offs[2:]))
+    elif damage == "replaced extent":  # an older replica the publish would free
+        p.host_of[slots[1]] = (1 << 40, 0, 64, 1)
+    else:
+        p.pg_live[slots[1]] = False
+    before = (digest(st), dict(st.host_pending), p.pg_pins[list(slots)].tolist())
+    n = len(slots)
+    e = ev.HostPublish(pool, first, ev.pack(list(slots)), ev.pack([0] * n), ev.pack([64] * n),
+                       ev.pack_u32([1] * n))
+    with pytest.raises(APPLY_ERRORS):
+        apply(st, e)
+    assert (digest(st), dict(st.host_pending), p.pg_pins[list(slots)].tolist()) == before
