@@ -162,6 +162,10 @@ def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray,
             raise bad("a host replica field out of range")
     for t in ps.spaces:
         members, row = t[7], t[6]
+        ints = (*t[:4], *t[5:7], *t[8:9], *members)  # the space tuple is loosely typed: a
+        if (len(t) not in (8, 9) or type(t[4]) is not bool  # float would be truncated below
+                or any(type(x) is not int for x in ints)):
+            raise bad(f"space {list(t)[:7]}: a field of the wrong type or count")
         if not 0 <= t[0] < next_bundle:  # a seq id indexes bundle_index (-1 would wrap)
             raise bad(f"seq {t[0]} out of range of the ids handed out [0, {next_bundle})")
         if len(members) > spec.logical_pages or any(not 0 <= m < n for m in members):
@@ -224,6 +228,8 @@ def decode_state(data: bytes) -> StoreState:
                              f"{name!r} is out of range")
     st.copy_pins = {(p, s): n for p, s, n in snap.copy_pins}
     for t in snap.bundles:
+        if any(type(t[k]) is not int for k in (0, 4, 5)) or type(t[1]) is not bool:
+            raise ValueError(f"snapshot: bundle {list(t)[:6]}: a field of the wrong type")
         if not 0 <= t[0] < snap.next_bundle:
             raise ValueError(f"snapshot: seq {t[0]} out of range of the ids handed out [0, "
                              f"{snap.next_bundle})")

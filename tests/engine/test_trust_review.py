@@ -321,7 +321,7 @@ def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["member", "negative member", "row", "page slot",
                                     "page group", "pin", "negative seq", "seq past the next",
                                     "negative bundle", "host offset", "half a host replica",
-                                    "pending extent"])
+                                    "pending extent", "float row", "float budget"])
 def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: str) -> None:
     """A snapshot's ids index the pool's arrays, and the compiled loops that read them later do
     not bounds-check: a Finish(retain) of a membership naming slot 67 of a 2-slot pool wrote
@@ -349,7 +349,7 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
     elif damage == "row":
         sp.row = p.rows + 1
     elif damage in ("page slot", "negative seq", "seq past the next", "negative bundle",
-                    "host offset", "half a host replica"):
+                    "host offset", "half a host replica", "float row", "float budget"):
         pass  # below, in the encoded snapshot
     elif damage == "page group":
         p.pg_device[sp.members[0]] = p.capacity + 5
@@ -375,12 +375,21 @@ def test_a_snapshot_with_ids_out_of_range_does_not_load(tmp_path: Path, damage: 
         snap = msgspec.msgpack.decode(payload, type=_StateSnap)
         snap.bundles[0] = (-2, *snap.bundles[0][1:])
         payload = msgspec.msgpack.encode(snap)
+    elif damage == "float row":  # the space tuple is loosely typed: numpy would truncate it
+        snap = msgspec.msgpack.decode(payload, type=_StateSnap)
+        t = snap.pools[0].spaces[0]
+        snap.pools[0].spaces[0] = (*t[:6], -0.5, *t[7:])
+        payload = msgspec.msgpack.encode(snap)
+    elif damage == "float budget":
+        snap = msgspec.msgpack.decode(payload, type=_StateSnap)
+        snap.bundles[0] = (*snap.bundles[0][:5], 1.5, *snap.bundles[0][6:])
+        payload = msgspec.msgpack.encode(snap)
     elif damage in ("host offset", "half a host replica"):  # page columns 10..13: the replica
         snap = msgspec.msgpack.decode(payload, type=_StateSnap)
         page = snap.pools[0].pages[-1]
         page[10:14] = [-5, 0, 0, 0] if damage == "host offset" else [-1, 3, 0, 0]
         payload = msgspec.msgpack.encode(snap)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of range|wrong type"):
         decode_state(payload)
     s.close()
     shutil.copytree(tmp_path / "journal", tmp_path / "clean")
