@@ -83,15 +83,21 @@ def test_other_policies_are_unchanged(tmp_path: Path) -> None:
     s.close()
 
 
+def running(s: KVStore, tokens: int = 130) -> int:
+    """A running sequence with ``tokens`` committed (two whole pages and a partial one)."""
+    a = s.activate(10, 300)
+    s.ensure_mapped(a, "main", tokens)
+    step(s)
+    s.commit(a, "main", tokens)
+    step(s)
+    return a
+
+
 def test_share_prefix_is_fsynced(tmp_path: Path) -> None:
     """A Share whose checkpoint outlives its record is durable (fork_live's, released in the
     same record, is not: below)."""
     s = store(tmp_path)
-    a = s.activate(10, 300)
-    s.ensure_mapped(a, "main", 130)
-    step(s)
-    s.commit(a, "main", 130)
-    step(s)
+    a = running(s)
     assert not synced(s)
     s.share_prefix(a)
     step(s)
@@ -106,12 +112,7 @@ def test_fork_live_and_metadata_of_a_running_sequence_are_not_fsynced(tmp_path: 
     that retains the sequence is durable, covers the metadata record before it, and the
     metadata survives a reopen."""
     s = store(tmp_path)
-    a = s.activate(10, 300)
-    s.ensure_mapped(a, "main", 130)
-    step(s)
-    s.commit(a, "main", 130)
-    step(s)
-    child = s.fork_live(a, 50)             # whole pages shared + a COW tail
+    child = s.fork_live(running(s), 50)             # whole pages shared + a COW tail
     step(s)
     assert not synced(s)
     s.set_metadata(child, {"tokens": [7, 8]})
