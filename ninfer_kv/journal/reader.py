@@ -40,15 +40,13 @@ class JournalReader:
 
     def records(self, from_seq: int = 0) -> Iterator[tuple[int, list[Any]]]:
         decode = self.codec.decode
-        for frame, payload in iter_frames(self.scan, from_seq):
+        for seq, off, payload in iter_frames(self.scan, from_seq):
             try:
                 events = decode(payload)
             except msgspec.MsgspecError as exc:
-                seg = next(s.number for s in self.scan.segments
-                           if s.frames and s.frames[-1].seq >= frame.seq)
-                raise JournalCorrupt(seg, frame.offset, f"record {frame.seq} has a valid CRC "
-                                     f"but its payload does not decode: {exc}") from None
-            yield frame.seq, events
+                raise JournalCorrupt(self.scan.segment_of(seq), off, f"record {seq} has a "
+                                     f"valid CRC but its payload does not decode: {exc}") from None
+            yield seq, events
 
     def events(self, from_seq: int = 0) -> Iterator[tuple[int, int, Any]]:
         for seq, events in self.records(from_seq):

@@ -25,6 +25,7 @@ from ninfer_kv.journal.format import (
     parse_frame,
     parse_snapshot,
 )
+from ninfer_kv.journal.frames import FrameTable, scan_frames
 from ninfer_kv.journal.fs import OS_FS, FileSystem
 
 log = structlog.get_logger(__name__)
@@ -43,7 +44,7 @@ class SegmentScan:
     number: int
     path: str
     header: SegmentHeader
-    frames: list[Frame]
+    frames: FrameTable
     data: bytes
 
 
@@ -64,9 +65,14 @@ class ScanResult:
         if self.segments and seq == self.first_seq - 1:
             return self.segments[0].header.prev_crc
         for seg in self.segments:
-            if seg.frames and seg.frames[0].seq <= seq <= seg.frames[-1].seq:
-                return seg.frames[seq - seg.frames[0].seq].crc
+            if len(seg.frames) and seg.frames.first_seq() <= seq <= seg.frames.last_seq():
+                return seg.frames[seq - seg.frames.first_seq()].crc
         return None
+
+    def segment_of(self, seq: int) -> int:
+        """The number of the segment holding accepted record ``seq``."""
+        return next(s.number for s in self.segments
+                    if len(s.frames) and s.frames.last_seq() >= seq)
 
     @property
     def records(self) -> int:
@@ -157,23 +163,10 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         if hdr.first_seq != expect_seq or hdr.prev_crc != chain:
             raise JournalCorrupt(num, 0, f"segment starts at seq {hdr.first_seq} (chain "
                                  f"{hdr.prev_crc:#x}); expected seq {expect_seq} (chain {chain:#x})")
-        frames: list[Frame] = []
-        off = SEG_HEADER_SIZE
-        bad: str | None = None
-        while off < len(data):
-            f = parse_frame(data, off)
-            if isinstance(f, str):
-                bad = f
-            elif f.salt != hdr.salt:
-                bad = f"salt {f.salt:#x} != segment salt {hdr.salt:#x}"
-            elif f.seq != expect_seq:
-                bad = f"seq {f.seq}, expected {expect_seq}"
-            elif f.prev_crc != chain:
-                bad = f"chain broken: prev_crc {f.prev_crc:#x} != {chain:#x}"
-            if bad is not None:
-                break
-            frames.append(f)
-            expect_seq, chain, off = f.seq + 1, f.crc, f.end
+        frames, off, bad = scan_frames(data, SEG_HEADER_SIZE, hdr.salt, expect_seq, chain)
+        if len(frames):
+            last = frames.rows[-1].tolist()
+            expect_seq, chain = last[2] + 1, last[6]
         res.segments.append(SegmentScan(num, path, hdr, frames, data))
         if bad is None:
             continue
@@ -210,15 +203,14 @@ def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off
     res.cuts.append(Cut(num, off, cut, ("salvage: " if durable_later else "torn tail: ") + reason))
 
 
-def iter_frames(result: ScanResult, from_seq: int = 0) -> Iterator[tuple[Frame, memoryview]]:
-    """(frame, payload view) for every accepted record with seq >= from_seq."""
+def iter_frames(result: ScanResult, from_seq: int = 0) -> Iterator[tuple[int, int, memoryview]]:
+    """(seq, frame offset, payload view) for every accepted record with seq >= from_seq."""
     for seg in result.segments:
-        if seg.frames and seg.frames[-1].seq < from_seq:
+        if not len(seg.frames) or seg.frames.last_seq() < from_seq:
             continue
         view = memoryview(seg.data)
-        for f in seg.frames:
-            if f.seq >= from_seq:
-                yield f, view[f.payload_slice]
+        for seq, off, lo, hi in seg.frames.payloads(from_seq):
+            yield seq, off, view[lo:hi]
 
 
 # --- snapshots ----------------------------------------------------------------------------------
@@ -336,13 +328,12 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
                                  f"{res.first_seq} (compacted, or its first segment is gone) "
                                  "and no usable snapshot covers the records before it")
         state = initial()
-    for f, payload in iter_frames(res, start):
+    for seq, off, payload in iter_frames(res, start):
         try:
-            apply_record(state, f.seq, payload)
+            apply_record(state, seq, payload)
         except APPLY_ERRORS as exc:
-            seg = next(s.number for s in res.segments if s.frames and s.frames[-1].seq >= f.seq)
-            raise JournalCorrupt(seg, f.offset, f"record {f.seq} is well-formed but cannot be "
-                                 f"applied to the state before it: {exc!r}") from None
+            raise JournalCorrupt(res.segment_of(seq), off, f"record {seq} is well-formed but "
+                                 f"cannot be applied to the state before it: {exc!r}") from None
     return state, res.last_seq, res
 
 
