@@ -46,9 +46,11 @@ from ninfer_kv.engine.incremental_host import HostMirror
 from ninfer_kv.engine.incremental_index import (
     PoolMirror,
     SpaceMirror,
+    bump,
     check_commit,
     check_pages,
     columns,
+    toggle,
 )
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P
@@ -77,23 +79,24 @@ class IncrementalChecker:
         st = self.st
         self.pools = {}
         for name, pool in st.pools.items():
-            pm = self.pools[name] = PoolMirror(name)
+            pm = self.pools[name] = PoolMirror(name, pool.capacity)
             pm.extend(len(pool.pages))
             for pg in pool.pages:
                 if pg is not None:
                     pm.dev[pg.slot] = pg.device
                     if pg.device != NO_PAGE:
-                        pm.lease.setdefault(pg.device, pg.slot)
+                        pm.lease_page(pg.device, pg.slot)
             for b, sp in pool.spaces.items():
                 m = pm.spaces[b] = SpaceMirror()
                 m.members, m.mset = list(sp.members), set(sp.members)
                 m.active, m.ent = sp.active, sp.entitlement
                 pm.see_committed(b, sp.committed)
                 pm.extend(max(sp.members, default=-1) + 1)
-                for s in sp.members:
-                    pm.refs[s] += 1
-                    pm.arefs[s] += sp.active
+                bump(pm.refs, m.members, 1)
+                toggle(pm.owners, m.members, b)
+                pm.see_active(b, sp.active)
                 if sp.active:
+                    bump(pm.arefs, m.members, 1)
                     m.contrib = sp.entitlement - sp.nmem - sp.incoming
                     pm.reserved += m.contrib
                     if sp.row >= 0 and sp.row not in pm.rows:
@@ -142,13 +145,10 @@ class IncrementalChecker:
             active, ent, row, c = False, 0, NO_ROW, 0
         else:
             new, active, ent, row, c = sp.members, sp.active, sp.entitlement, sp.row, sp.committed
-        refs, arefs = pm.refs, pm.arefs
         n_old, n_new = len(old), len(new)
         flip = m.active != active
         if flip:  # every old member's active count moves; then diff with the new flag
-            d = 1 if active else -1
-            for s in old:
-                arefs[s] += d
+            bump(pm.arefs, old, 1 if active else -1)
             touched.extend(old)
         if n_new >= n_old and (n_old == 0 or new[n_old - 1] == old[-1]):
             k = n_old
@@ -160,10 +160,10 @@ class IncrementalChecker:
                 k += 1
         if k < n_old:
             gone = old[k:]
-            for s in gone:
-                refs[s] -= 1
-                if active:
-                    arefs[s] -= 1
+            bump(pm.refs, gone, -1)
+            toggle(pm.owners, gone, b)
+            if active:
+                bump(pm.arefs, gone, -1)
             if not flip:
                 touched.extend(gone)
             del old[k:]
@@ -171,14 +171,15 @@ class IncrementalChecker:
         if k < n_new:
             added = new[k:]
             pm.extend(max(added) + 1)
-            refs, arefs, mset = pm.refs, pm.arefs, m.mset
+            mset = m.mset
             for s in added:
                 if s in mset:
                     out.append(f"bundle {b}: page {s} appears twice in one membership")
                 mset.add(s)
-                refs[s] += 1
-                if active:
-                    arefs[s] += 1
+            bump(pm.refs, added, 1)
+            toggle(pm.owners, added, b)
+            if active:
+                bump(pm.arefs, added, 1)
             old.extend(added)
             touched.extend(added)
         if sp is not None:
@@ -207,6 +208,7 @@ class IncrementalChecker:
         contrib = ent - n_new - (sp.incoming if sp is not None else 0) if active else 0
         pm.reserved += contrib - m.contrib
         m.contrib, m.active, m.ent = contrib, active, ent
+        pm.see_active(b, active)
         r_new = row if active and row >= 0 else NO_ROW
         if m.row != r_new:
             self._move_row(pool, pm, b, m.row, r_new, out)
@@ -239,7 +241,7 @@ class IncrementalChecker:
         r = pm.reserved
         if pool.reserved != r:
             out.append(f"{pool.name}: reserved {pool.reserved} != sum of active reservations {r}")
-        nf, a = len(pool.free_pages), len(pm.lease)
+        nf, a = len(pool.free_pages), pm.n_leased()
         if a + nf != pool.capacity or nf < r:
             out.append(f"{pool.name}: allocated {a} + reserved {r} + available {nf - r} != "
                        f"capacity {pool.capacity} (§5.2)")

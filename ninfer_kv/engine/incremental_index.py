@@ -41,17 +41,21 @@ class SpaceMirror:
 
 
 class PoolMirror:
-    """The checker's own indexes of one pool."""
+    """The checker's own indexes of one pool. The per-slot counts and the device-lease index
+    are arrays, so ``check_pages`` runs compiled (``invariant_kernels.check_slots``)."""
 
-    __slots__ = ("name", "refs", "arefs", "dev", "lease", "reserved", "rows", "spaces",
-                 "pend", "copy", "committed")
+    __slots__ = ("name", "refs", "arefs", "owners", "dev", "lease", "lease_outside", "leased",
+                 "reserved", "rows", "spaces", "pend", "copy", "committed", "active")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, capacity: int) -> None:
         self.name = name
-        self.refs: list[int] = []          # slot -> memberships
-        self.arefs: list[int] = []         # slot -> memberships in active spaces
-        self.dev: list[int] = []           # slot -> device lease seen (NO_PAGE: none / dead)
-        self.lease: dict[int, int] = {}    # device page -> slot
+        self.refs = np.zeros(0, np.int64)       # slot -> memberships
+        self.arefs = np.zeros(0, np.int64)      # slot -> memberships in active spaces
+        self.owners = np.zeros(0, np.int64)     # slot -> XOR of the seqs holding it
+        self.dev = np.zeros(0, np.int64)        # slot -> device lease seen (NO_PAGE: none / dead)
+        self.lease = np.full(capacity, NO_PAGE, np.int64)  # device page -> slot
+        self.lease_outside: dict[int, int] = {}  # the same for page ids outside the pool
+        self.leased = 0                          # pages in range with a lease
         self.reserved = 0
         self.rows: dict[int, int] = {}     # row -> bundle
         self.spaces: dict[int, SpaceMirror] = {}
@@ -60,28 +64,72 @@ class PoolMirror:
         # bundle -> the committed frontier last seen of its space (ik.ABSENT: no space);
         # an array, so the commit check (the hot path) runs compiled
         self.committed = np.full(64, ik.ABSENT, np.int64)
+        self.active = np.zeros(64, np.int8)  # bundle -> 1 while the mirror has it active
 
     def seen_committed(self, b: int) -> int:
         return int(self.committed[b])
 
     def see_committed(self, b: int, c: int) -> None:
         if b >= len(self.committed):
-            grown = np.full(max(b + 1, 2 * len(self.committed)), ik.ABSENT, np.int64)
-            grown[:len(self.committed)] = self.committed
-            self.committed = grown
+            k = len(self.committed)
+            size = max(b + 1, 2 * k)
+            self.committed = np.concatenate((self.committed, np.full(size - k, ik.ABSENT,
+                                                                      np.int64)))
+            self.active = np.concatenate((self.active, np.zeros(size - k, np.int8)))
         self.committed[b] = c
+
+    def see_active(self, b: int, active: bool) -> None:
+        """After ``see_committed(b, ..)``: space ``b`` is active or not."""
+        self.active[b] = active
 
     def forget(self, b: int) -> None:
         """Space ``b`` is gone from the mirror."""
         if b < len(self.committed):
             self.committed[b] = ik.ABSENT
+            self.active[b] = 0
 
     def extend(self, n: int) -> None:
-        k = n - len(self.refs)
-        if k > 0:
-            self.refs += [0] * k
-            self.arefs += [0] * k
-            self.dev += [NO_PAGE] * k
+        """Room for slots below ``n`` (new slots: no memberships, no lease)."""
+        k = len(self.refs)
+        if n > k:
+            size = max(n, 2 * k)
+            self.refs = np.concatenate((self.refs, np.zeros(size - k, np.int64)))
+            self.arefs = np.concatenate((self.arefs, np.zeros(size - k, np.int64)))
+            self.owners = np.concatenate((self.owners, np.zeros(size - k, np.int64)))
+            self.dev = np.concatenate((self.dev, np.full(size - k, NO_PAGE, np.int64)))
+
+    def lease_page(self, page: int, slot: int) -> int:
+        """``setdefault`` on the lease index: the slot that leases ``page`` now."""
+        if 0 <= page < len(self.lease):
+            o = int(self.lease[page])
+            if o == NO_PAGE:
+                self.lease[page] = o = slot
+                self.leased += 1
+            return o
+        return self.lease_outside.setdefault(page, slot)
+
+    def n_leased(self) -> int:
+        return self.leased + len(self.lease_outside)
+
+
+def bump(counts: np.ndarray, slots: list[int], d: int) -> None:
+    """``counts[s] += d`` for each ``s`` in ``slots`` (repeats count twice): element by element
+    when few (``np.add.at`` costs ~1.3 µs a call), else in one call."""
+    if len(slots) < 8:
+        for s in slots:
+            counts[s] += d
+    else:
+        np.add.at(counts, slots, d)
+
+
+def toggle(owners: np.ndarray, slots: list[int], b: int) -> None:
+    """``owners[s] ^= b`` for each ``s`` in ``slots``: seq ``b``'s membership gained or lost
+    them."""
+    if len(slots) < 8:
+        for s in slots:
+            owners[s] ^= b
+    else:
+        np.bitwise_xor.at(owners, slots, b)
 
 
 def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: int, b: int,
@@ -108,79 +156,78 @@ def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: i
 
 def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMirror | None,
                 out: list[str]) -> None:
-    """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold.
-    The page fields are read from the pool's arrays in one compiled gather
-    (``invariant_kernels.gather_pages``; a page view per field read cost most of a verified
-    replay, a numpy gather per field a fifth of it)."""
+    """Page-level checks on ``slots`` after moving the lease/host indexes to what they hold:
+    one compiled pass over the pool's arrays and the mirror's (``invariant_kernels.
+    check_slots``; in Python it cost 0.36 µs a slot, 40% of a verified replay), then the
+    host-replica ownership (with a host tier: its problems follow the page problems)."""
     if not slots:
         return
-    n = pool.n_slots
     if min(slots) < 0:
         pool.pages[min(slots)]  # IndexError naming the slot, as a page view read raises
-    live_l, dev_l, refs_l, act_l, pins_l, prot_l, comm_l, wr_l, free_slot_l = ik.gather_pages(
-        np.fromiter(slots, np.int64, len(slots)), n, pool.pg_live, pool.pg_device, pool.pg_refs,
-        pool.pg_active, pool.pg_pins, pool.pg_protected, pool.pg_committed, pool.pg_writer,
-        pool.free_slots.bits).tolist()
-    host_of = pool.host_of
-    hosted = bool(host_of)  # once: the view's len is a method call
-    fpb = pool.free_pages.bits
-    nfp = len(fpb)
-    refs, arefs, devs, lease = pm.refs, pm.arefs, pm.dev, pm.lease
-    cap = pool.capacity
-    spaces, pend, copy = pm.spaces, pm.pend, pm.copy
-    pins_on = bool(pend or copy)
-    no, p = NO_PAGE, P
-    for j, s in enumerate(slots):
-        live = live_l[j]
-        old, new = devs[s], (dev_l[j] if live else no)
-        if old != new:
-            if old != no:
-                if lease.get(old) == s:
-                    del lease[old]
-                if not (0 <= old < nfp and fpb[old]):
-                    out.append(f"released device page {old} (slot {s}) is not on the free "
-                               "list")
-            if new != no:
-                if not 0 <= new < cap:
-                    out.append(f"device page id {new} of slot {s} out of range")
-                o = lease.setdefault(new, s)
-                if o != s:
-                    out.append(f"device page {new} leased by slots {o} and {s} (§14)")
-                if 0 <= new < nfp and fpb[new]:
-                    out.append(f"leased device page {new} (slot {s}) is also on the free list")
-            devs[s] = new
-        h = host_of.get(s) if live and hosted else None
-        if host is not None:
-            host.sync_page(pm.name, s, h, out)
-        if live and free_slot_l[j]:
-            out.append(f"free slot {s} is live")
-        if not live:
-            if refs[s]:
-                out.append(f"dead slot {s} still has {refs[s]} memberships")
-            continue
-        r, a_, pr = refs[s], arefs[s], refs_l[j]
-        if pr != r:
-            out.append(f"page {s} refs {pr} != memberships {r}")
-        if act_l[j] != a_:
-            out.append(f"page {s} active_refs {act_l[j]} != {a_}")
-        if not 0 <= prot_l[j] <= comm_l[j] <= p:
-            out.append(f"page {s} columns protected={prot_l[j]} committed="
-                       f"{comm_l[j]} out of range")
-        w = wr_l[j]
-        if w != no:
-            m = spaces.get(w)
-            if m is None or not m.active or s not in m.mset:
-                out.append(f"page {s} writer {w} is not an active member")
-            if pr > 1:
-                out.append(f"page {s} is shared ({pr} refs) but has writer {w} (§9.4)")
-        if new == no and a_:
-            out.append(f"page {s} is mapped by {a_} active spaces but has no device replica")
-        want = (pend.get(s, 0) + copy.get(s, 0)) if pins_on else 0
-        if pins_l[j] != want:
-            out.append(f"page {pm.name}:{s} pins {pins_l[j]} != pending transfers and queued "
-                       f"copies {want}")
-        if pr == 0 and pins_l[j] == 0 and h is None:
-            out.append(f"page {s} has no reference, pin or replica but is not recycled")
+    arr = np.fromiter(slots, np.int64, len(slots))
+    pend, copy = pm.pend, pm.copy
+    want = (np.fromiter((pend.get(s, 0) + copy.get(s, 0) for s in slots), np.int64, len(slots))
+            if pend or copy else np.zeros(len(slots), np.int64))
+    rows, leased = ik.check_slots(
+        arr, pool.n_slots, pool.pg_live, pool.pg_device, pool.pg_refs, pool.pg_active,
+        pool.pg_pins, pool.pg_protected, pool.pg_committed, pool.pg_writer, pool.pg_host_off,
+        pool.free_slots.bits, pool.free_pages.bits, len(pm.lease), pm.refs, pm.arefs, pm.owners,
+        pm.active, pm.dev, pm.lease, want)
+    pm.leased += leased
+    if len(rows):
+        _word(pm, rows.tolist(), out)
+    if host is not None:
+        host_of, name, n = pool.host_of, pm.name, pool.n_slots
+        for s in slots:
+            live = s < n and pool.pg_live[s]
+            host.sync_page(name, s, host_of.get(s) if live else None, out)
+
+
+def _word(pm: PoolMirror, rows: list[list[int]], out: list[str]) -> None:
+    """``check_slots``' rows as messages, in order; finishes the checks it leaves here."""
+    for kind, a, b, c in rows:
+        if kind == ik.K_RELEASED_NOT_FREE:
+            out.append(f"released device page {a} (slot {b}) is not on the free list")
+        elif kind == ik.K_OUT_OF_RANGE:
+            out.append(f"device page id {a} of slot {b} out of range")
+        elif kind == ik.K_DOUBLE_LEASE:
+            out.append(f"device page {a} leased by slots {b} and {c} (§14)")
+        elif kind == ik.K_LEASE_OUTSIDE:
+            outside = pm.lease_outside
+            if not c and outside.get(a) == b:      # released
+                del outside[a]
+            elif c and (o := outside.setdefault(a, b)) != b:
+                out.append(f"device page {a} leased by slots {o} and {b} (§14)")
+        elif kind == ik.K_ON_FREE_LIST:
+            out.append(f"leased device page {a} (slot {b}) is also on the free list")
+        elif kind == ik.K_FREE_SLOT_LIVE:
+            out.append(f"free slot {a} is live")
+        elif kind == ik.K_DEAD_REFS:
+            out.append(f"dead slot {a} still has {b} memberships")
+        elif kind == ik.K_REFS:
+            out.append(f"page {a} refs {b} != memberships {c}")
+        elif kind == ik.K_ACTIVE_REFS:
+            out.append(f"page {a} active_refs {b} != {c}")
+        elif kind == ik.K_COLUMNS:
+            out.append(f"page {a} columns protected={b} committed={c} out of range")
+        elif kind == ik.K_WRITER_NOT_MEMBER:
+            out.append(f"page {a} writer {b} is not an active member")
+        elif kind == ik.K_WRITER:
+            m = pm.spaces.get(b)
+            if m is None or not m.active or a not in m.mset:
+                out.append(f"page {a} writer {b} is not an active member")
+        elif kind == ik.K_SHARED_WRITER:
+            out.append(f"page {a} is shared ({b} refs) but has writer {c} (§9.4)")
+        elif kind == ik.K_NO_DEVICE:
+            out.append(f"page {a} is mapped by {b} active spaces but has no device replica")
+        elif kind == ik.K_PINS:
+            out.append(f"page {pm.name}:{a} pins {b} != pending transfers and queued copies {c}")
+        elif kind == ik.K_NOT_RECYCLED:
+            out.append(f"page {a} has no reference, pin or replica but is not recycled")
+        else:
+            assert kind == ik.K_MIRROR_SHORT, kind
+            raise IndexError(f"slot {a} is past the checker's index of {pm.name} "
+                             f"({len(pm.refs)} slots)")
 
 
 def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: list[str]) -> None:

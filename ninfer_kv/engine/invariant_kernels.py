@@ -167,27 +167,121 @@ def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarra
     return rows[:n]
 
 
+# check_slots' rows: (kind, a, b, c); incremental_index.check_pages words them in order
+(K_RELEASED_NOT_FREE, K_OUT_OF_RANGE, K_DOUBLE_LEASE, K_LEASE_OUTSIDE, K_ON_FREE_LIST,
+ K_FREE_SLOT_LIVE, K_DEAD_REFS, K_REFS, K_ACTIVE_REFS, K_COLUMNS, K_WRITER, K_SHARED_WRITER,
+ K_NO_DEVICE, K_PINS, K_NOT_RECYCLED, K_MIRROR_SHORT, K_WRITER_NOT_MEMBER) = range(1, 18)
+NO = -1  # pages.NO_PAGE (a slot without a device lease; a page without a writer)
+
+
 @njit(nogil=True)
-def gather_pages(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device: np.ndarray,
-                 pg_refs: np.ndarray, pg_active: np.ndarray, pg_pins: np.ndarray,
-                 pg_protected: np.ndarray, pg_committed: np.ndarray, pg_writer: np.ndarray,
-                 free_slot_bits: np.ndarray) -> np.ndarray:
-    """The page fields ``incremental_index.check_pages`` reads, for ``slots`` (each >= 0), as
-    rows: live, device, refs, active refs, pins, protected, committed, writer, on the
-    free-slot list. A slot at or past ``n_slots`` reads as dead with zero fields (its
-    free-slot bit as it is)."""
-    out = np.zeros((9, slots.shape[0]), np.int64)
+def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device: np.ndarray,
+                pg_refs: np.ndarray, pg_active: np.ndarray, pg_pins: np.ndarray,
+                pg_protected: np.ndarray, pg_committed: np.ndarray, pg_writer: np.ndarray,
+                pg_host_off: np.ndarray, free_slot_bits: np.ndarray, free_page_bits: np.ndarray,
+                capacity: int, refs: np.ndarray, arefs: np.ndarray, owners: np.ndarray,
+                space_active: np.ndarray, dev: np.ndarray, lease: np.ndarray,
+                want: np.ndarray) -> tuple[np.ndarray, int]:
+    """The incremental checker's page checks on ``slots`` (each >= 0), in slot order, after
+    moving its own device-lease index to what each page holds now: ``dev`` (slot -> device
+    page seen) and ``lease`` (device page in [0, capacity) -> slot, -1 none). ``refs`` /
+    ``arefs``: the memberships / active memberships it counted per slot; ``owners``: per slot
+    the XOR of the seqs whose memberships hold it (with one membership: that seq);
+    ``space_active``: per seq, 1 when it has an active space; ``want``: per element of
+    ``slots``, the pins its pending transfers and queued copies explain.
+
+    Returns (rows, change of the number of leased pages in range). A row names one problem,
+    or asks the caller to finish a check it keeps outside: ``K_LEASE_OUTSIDE`` (a lease of a
+    device page id outside [0, capacity), kept in a dict), ``K_WRITER`` (is the writer of a
+    page in several memberships an active member: the caller's space mirror),
+    ``K_MIRROR_SHORT`` (the slot is past the
+    mirror's arrays: the caller raises; every slot before it was checked). A slot at or past
+    ``n_slots`` reads as dead."""
+    rows = np.empty((64, 4), np.int64)
+    n = 0
+    leased = 0
+    nfp = free_page_bits.shape[0]
     for j in range(slots.shape[0]):
+        if n + 12 > rows.shape[0]:  # at most 11 rows per slot
+            grown = np.empty((2 * rows.shape[0], 4), np.int64)
+            grown[:n] = rows[:n]
+            rows = grown
         s = slots[j]
-        if s < n_slots:
-            out[0, j] = pg_live[s]
-            out[1, j] = pg_device[s]
-            out[2, j] = pg_refs[s]
-            out[3, j] = pg_active[s]
-            out[4, j] = pg_pins[s]
-            out[5, j] = pg_protected[s]
-            out[6, j] = pg_committed[s]
-            out[7, j] = pg_writer[s]
-        if s < free_slot_bits.shape[0]:
-            out[8, j] = free_slot_bits[s]
-    return out
+        if s >= refs.shape[0]:
+            rows[n, 0], rows[n, 1] = K_MIRROR_SHORT, s
+            return rows[:n + 1], leased
+        live = s < n_slots and pg_live[s]
+        old = dev[s]
+        new = pg_device[s] if live else NO
+        if old != new:
+            if old != NO:
+                if 0 <= old < capacity:
+                    if lease[old] == s:
+                        lease[old] = NO
+                        leased -= 1
+                else:
+                    rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_LEASE_OUTSIDE, old, s, 0
+                    n += 1
+                if not (0 <= old < nfp and free_page_bits[old]):
+                    rows[n, 0], rows[n, 1], rows[n, 2] = K_RELEASED_NOT_FREE, old, s
+                    n += 1
+            if new != NO:
+                if 0 <= new < capacity:
+                    o = lease[new]
+                    if o == NO:
+                        lease[new] = s
+                        leased += 1
+                    elif o != s:
+                        rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_DOUBLE_LEASE, new, o, s
+                        n += 1
+                else:
+                    rows[n, 0], rows[n, 1], rows[n, 2] = K_OUT_OF_RANGE, new, s
+                    n += 1
+                    rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_LEASE_OUTSIDE, new, s, 1
+                    n += 1
+                if 0 <= new < nfp and free_page_bits[new]:
+                    rows[n, 0], rows[n, 1], rows[n, 2] = K_ON_FREE_LIST, new, s
+                    n += 1
+            dev[s] = new
+        if live and s < free_slot_bits.shape[0] and free_slot_bits[s]:
+            rows[n, 0], rows[n, 1] = K_FREE_SLOT_LIVE, s
+            n += 1
+        if not live:
+            if refs[s]:
+                rows[n, 0], rows[n, 1], rows[n, 2] = K_DEAD_REFS, s, refs[s]
+                n += 1
+            continue
+        r, a, pr = refs[s], arefs[s], pg_refs[s]
+        if pr != r:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_REFS, s, pr, r
+            n += 1
+        if pg_active[s] != a:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_ACTIVE_REFS, s, pg_active[s], a
+            n += 1
+        if not 0 <= pg_protected[s] <= pg_committed[s] <= P:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = \
+                K_COLUMNS, s, pg_protected[s], pg_committed[s]
+            n += 1
+        w = pg_writer[s]
+        if w != NO:
+            if r > 1:  # which membership is the writer's: the caller's mirror knows
+                rows[n, 0], rows[n, 1], rows[n, 2] = K_WRITER, s, w
+                n += 1
+            elif not (r == 1 and owners[s] == w and 0 <= w < space_active.shape[0]
+                      and space_active[w]):
+                rows[n, 0], rows[n, 1], rows[n, 2] = K_WRITER_NOT_MEMBER, s, w
+                n += 1
+            if pr > 1:
+                rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_SHARED_WRITER, s, pr, w
+                n += 1
+        if new == NO and a:
+            rows[n, 0], rows[n, 1], rows[n, 2] = K_NO_DEVICE, s, a
+            n += 1
+        pins = pg_pins[s]
+        if pins != want[j]:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3] = K_PINS, s, pins, want[j]
+            n += 1
+        if pr == 0 and pins == 0 and pg_host_off[s] < 0:
+            rows[n, 0], rows[n, 1] = K_NOT_RECYCLED, s
+            n += 1
+    return rows[:n], leased
