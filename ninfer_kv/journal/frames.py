@@ -73,19 +73,21 @@ def crc32c_range(b: np.ndarray, lo: int, hi: int, t: np.ndarray) -> np.uint32:
 
 
 @njit(nogil=True)
-def walk_frames(b: np.ndarray, off: int, salt: int, expect_seq: int, chain: int,
-                max_payload: int, t: np.ndarray) -> tuple[np.ndarray, int, int, int]:
+def walk_frames(b: np.ndarray, off: int, salt: np.uint64, expect_seq: np.uint64,
+                numbered: int, chain: np.uint64, max_payload: int,
+                t: np.ndarray) -> tuple[np.ndarray, int, int]:
     """Accept frames from ``off`` while each is whole, CRC-valid, of ``salt``, numbered
     ``expect_seq``, ``expect_seq + 1``, ... and chained (its prev_crc is the CRC of the frame
-    before it, ``chain`` for the first). Returns (rows of the accepted frames, uint64
-    [n, COLUMNS]; the offset where the walk stopped; the stop code; the seq expected there).
-    """
+    before it, ``chain`` for the first). ``numbered``: how many seqs there are from
+    ``expect_seq`` up to 2**64 - 1 (capped; a frame past them is refused as out of
+    sequence: no frame can carry seq 2**64). Returns (rows of the accepted frames, uint64
+    [n, COLUMNS]; the offset where the walk stopped; the stop code)."""
     rows = np.empty((256, COLUMNS), np.uint64)
     n = 0
     size = b.shape[0]
     code = END
-    seq_next = np.uint64(expect_seq)
-    prev = np.uint64(chain)
+    seq_next = expect_seq
+    prev = chain
     while off < size:
         if off + FRAME_OVERHEAD > size:
             code = TORN_HEADER
@@ -102,10 +104,10 @@ def walk_frames(b: np.ndarray, off: int, salt: int, expect_seq: int, chain: int,
         if crc32c_range(b, off, end, t) != crc:
             code = BAD_CRC
             break
-        if np.uint64(_u32(b, off + 16)) != np.uint64(salt):
+        if np.uint64(_u32(b, off + 16)) != salt:
             code = BAD_SALT
             break
-        if _u64(b, off + 4) != seq_next:
+        if n >= numbered or _u64(b, off + 4) != seq_next:
             code = BAD_SEQ
             break
         if np.uint64(_u32(b, off + 12)) != prev:
@@ -123,10 +125,11 @@ def walk_frames(b: np.ndarray, off: int, salt: int, expect_seq: int, chain: int,
         rows[n, 5] = _u64(b, off + 20)
         rows[n, 6] = crc
         n += 1
-        seq_next += np.uint64(1)
+        if n < numbered:  # past the last seq it stays put: the next frame is refused
+            seq_next += np.uint64(1)
         prev = np.uint64(crc)
         off = end + 4
-    return rows[:n].copy(), off, code, seq_next
+    return rows[:n].copy(), off, code
 
 
 class FrameTable(Sequence[Frame]):
@@ -170,15 +173,23 @@ class FrameTable(Sequence[Frame]):
             yield seq, off, off + FRAME_SIZE, off + FRAME_SIZE + length
 
 
+U64 = (1 << 64) - 1
+I64 = (1 << 63) - 1
+
+
 def scan_frames(data: bytes, off: int, salt: int, expect_seq: int,
                 chain: int) -> tuple[FrameTable, int, str | None]:
     """(accepted frames, where the walk stopped, why — None when the data ended exactly
-    at a frame boundary), with ``parse_frame``'s and the scan's wording."""
+    at a frame boundary), with ``parse_frame``'s and the scan's wording. Seqs are exact
+    up to 2**64 - 1 (the on-disk field); after a frame with that seq no frame is in
+    sequence."""
     buf = np.frombuffer(data, np.uint8)
-    rows, stop, code, seq = walk_frames(buf, off, salt, expect_seq, chain, MAX_PAYLOAD,
-                                        CRC_TABLES)
-    return FrameTable(rows), int(stop), _why(data, int(stop), int(code), salt, int(seq),
-                                             int(rows[-1, 6]) if len(rows) else chain)
+    numbered = min(max(U64 + 1 - expect_seq, 0), I64)
+    rows, stop, code = walk_frames(buf, off, np.uint64(salt & U64), np.uint64(expect_seq & U64),
+                                   numbered, np.uint64(chain & U64), MAX_PAYLOAD, CRC_TABLES)
+    last = rows[-1].tolist() if len(rows) else None
+    return FrameTable(rows), int(stop), _why(
+        data, int(stop), int(code), salt, expect_seq + len(rows), last[6] if last else chain)
 
 
 def _why(data: bytes, off: int, code: int, salt: int, expect_seq: int, chain: int) -> str | None:

@@ -3,11 +3,12 @@
 
 Where: ``$NINFER_KV_JIT_CACHE`` if set, else ``$XDG_CACHE_HOME/ninfer-kv/numba`` (default
 ``~/.cache``), then a subdirectory named by a hash of every ``ninfer_kv/kernels/*.py`` source,
-of the control plane's compiled loops (``ENGINE_KERNELS``) and of the numba and llvmlite
-versions. The hash matters: numba checks only the timestamp of the file that *defines* a cached
-function, while our kernels inline codecs and quantizers from other modules (and the control
-plane's bake in P from ``layout.py``) — a change there would otherwise leave stale machine
-code in use. numba keys entries by CPU model itself.
+of the control plane's compiled loops (``ENGINE_KERNELS``), of the journal's frame walk
+(``JOURNAL_KERNELS``) and of the numba and llvmlite versions. The hash matters: numba checks
+only the timestamp of the file that *defines* a cached function, while our kernels inline
+codecs and quantizers from other modules (the control plane's bake in P from ``layout.py``,
+the frame walk the frame layout from ``journal/format.py``) — a change there would otherwise
+leave stale machine code in use. numba keys entries by CPU model itself.
 
 The directory is set on ``numba.config.CACHE_DIR`` only while our functions are decorated
 (numba reads it then), so an application's own cached numba functions stay where it put them.
@@ -34,6 +35,8 @@ ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
                        ("round_kernels.py", "apply_kernels.py", "free_ids.py", "layout.py",
                         "msgpack_rows.py", "invariant_kernels.py"))
 """The control plane's compiled loops (and the page size they bake in) share the cache."""
+JOURNAL_KERNELS = tuple(KERNELS.parent / "journal" / f for f in ("frames.py", "format.py"))
+"""The journal's frame walk, and the frame layout it bakes in."""
 log = structlog.get_logger(__name__)
 
 
@@ -46,7 +49,7 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"),
         "ninfer-kv", "numba")
     h = hashlib.sha256(f"numba {numba.__version__} llvmlite {llvmlite.__version__}".encode())
-    for src in [*sorted(KERNELS.glob("*.py")), *ENGINE_KERNELS]:
+    for src in [*sorted(KERNELS.glob("*.py")), *ENGINE_KERNELS, *JOURNAL_KERNELS]:
         h.update(src.name.encode())
         h.update(src.read_bytes())
     path = os.path.join(base, h.hexdigest()[:16])

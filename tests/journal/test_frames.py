@@ -5,6 +5,7 @@ segments. And its CRC-32C against the ``crc32c`` library."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,15 @@ from ninfer_kv.journal.format import (
     pack_record,
     parse_frame,
 )
-from ninfer_kv.journal.frames import CRC_TABLES, FrameTable, crc32c_range, scan_frames
+from ninfer_kv.journal.frames import (
+    CRC_TABLES,
+    END,
+    IMPLAUSIBLE,
+    FrameTable,
+    crc32c_range,
+    scan_frames,
+    walk_frames,
+)
 
 SALT = 0x5A17
 
@@ -128,3 +137,47 @@ def test_damage_matches_reference(payloads: list[bytes], data: st.DataObject) ->
             raw[i] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(SEG_HEADER_SIZE, len(raw)))
     same(bytes(raw[:cut]))
+
+
+@pytest.mark.parametrize("first", [5, (1 << 63) - 1, (1 << 63) + 7, (1 << 64) - 3])
+def test_seqs_are_exact_up_to_the_field_width(first: int) -> None:
+    """Review finding: a seq of 2**63 or more raised OverflowError once the walk had been
+    called with a small one (it took a Python int as int64), and the counter wrapped at
+    2**64, accepting a record numbered 0 after 2**64 - 1."""
+    same(segment([b"a", b"b"], first=5), seq=5)  # compiled with a small seq first
+    frames = same(segment([b"a", b"b", b"c"], first=first), seq=first)
+    assert len(frames) == 3 and frames.last_seq() == first + 2
+
+
+def test_no_record_follows_seq_2_64_minus_1() -> None:
+    last = (1 << 64) - 1
+    good = segment([b"a"], first=last)
+    rec, _ = pack_record(0, crc32c(good[-FRAME_OVERHEAD - 1:-4]), SALT, 0, b"b")
+    frames, off, why = scan_frames(good + rec, SEG_HEADER_SIZE, SALT, last, 0)
+    assert len(frames) == 1 and why == f"seq 0, expected {1 << 64}"
+    same(good + rec, seq=last)
+    frames, off, why = scan_frames(rec, 0, SALT, 1 << 64, 0)  # nothing is in sequence
+    assert len(frames) == 0 and why == f"seq 0, expected {1 << 64}"
+
+
+def test_the_longest_payload_is_accepted() -> None:
+    """``length > max_payload`` is implausible, ``== max_payload`` is a record the writer may
+    have acknowledged (the walk takes the limit as an argument: MAX_PAYLOAD is 256 MiB)."""
+    data = segment([b"x" * 10])
+    buf = np.frombuffer(data, np.uint8)
+    for limit, code in ((10, END), (9, IMPLAUSIBLE)):
+        rows, _, got = walk_frames(buf, SEG_HEADER_SIZE, np.uint64(SALT), np.uint64(1), 10,
+                                   np.uint64(0), limit, CRC_TABLES)
+        assert (len(rows), got) == (int(code == END), code)
+
+
+def test_a_frame_breaking_two_rules_is_named_by_the_first() -> None:
+    """The scan's order: salt, then seq, then chain (the old loop's)."""
+    good = segment([b"x"])
+    chain = crc32c(good[-FRAME_OVERHEAD - 1:-4])
+    for want, rec in (("salt", pack_record(9, chain, SALT + 1, 0, b"y")[0]),
+                      ("salt", pack_record(2, chain ^ 1, SALT + 1, 0, b"y")[0]),
+                      ("seq 9", pack_record(9, chain ^ 1, SALT, 0, b"y")[0])):
+        _, _, why = scan_frames(good + rec, SEG_HEADER_SIZE, SALT, 1, 0)
+        assert why is not None and why.startswith(want), (want, why)
+        same(good + rec)

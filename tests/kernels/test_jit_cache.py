@@ -140,3 +140,27 @@ def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
     monkeypatch.setattr(jit, "ENGINE_KERNELS", tuple(files))
     before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, engine / "layout.py")
     assert before != after  # layout.py: the P the control plane's loops bake in
+
+
+def test_every_module_compiling_with_our_njit_is_in_the_cache_key() -> None:
+    """Review finding: journal/frames.py cached its frame walk under a key that covered
+    neither it nor journal/format.py, whose frame layout it bakes in; an edit there could
+    leave stale machine code in use. Every module that decorates with ``jit.njit`` is part
+    of the key (with the modules whose constants the key lists next to it)."""
+    root = jit.KERNELS.parent
+    keyed = {*jit.KERNELS.glob("*.py"), *jit.ENGINE_KERNELS, *jit.JOURNAL_KERNELS}
+    users = {p for p in root.rglob("*.py") if "kernels.jit import njit" in p.read_text()}
+    assert users and users <= keyed, sorted(str(p.relative_to(root)) for p in users - keyed)
+    assert root / "journal" / "format.py" in keyed and root / "engine" / "layout.py" in keyed
+
+
+def test_the_frame_layout_is_part_of_the_key(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    files = [journal / p.name for p in jit.JOURNAL_KERNELS]
+    for src, dst in zip(jit.JOURNAL_KERNELS, files, strict=True):
+        shutil.copy(src, dst)
+    monkeypatch.setattr(jit, "JOURNAL_KERNELS", tuple(files))
+    before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, journal / "format.py")
+    assert before != after
