@@ -123,7 +123,7 @@ class IncrementalChecker:
     def _pool(self, name: str) -> tuple[PoolState, PoolMirror]:
         pool = self.st.pools[name]
         pm = self.pools[name]
-        if len(pool.pages) > len(pm.refs):
+        if len(pool.pages) > pm.n:
             pm.extend(len(pool.pages))
         return pool, pm
 

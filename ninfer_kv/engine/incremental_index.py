@@ -44,11 +44,12 @@ class PoolMirror:
     """The checker's own indexes of one pool. The per-slot counts and the device-lease index
     are arrays, so ``check_pages`` runs compiled (``invariant_kernels.check_slots``)."""
 
-    __slots__ = ("name", "refs", "arefs", "owners", "dev", "lease", "lease_outside", "leased",
-                 "reserved", "rows", "spaces", "pend", "copy", "committed", "active")
+    __slots__ = ("name", "n", "refs", "arefs", "owners", "dev", "lease", "lease_outside",
+                 "leased", "reserved", "rows", "spaces", "pend", "copy", "committed", "active")
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
+        self.n = 0                              # slots seen (the arrays may be longer)
         self.refs = np.zeros(0, np.int64)       # slot -> memberships
         self.arefs = np.zeros(0, np.int64)      # slot -> memberships in active spaces
         self.owners = np.zeros(0, np.int64)     # slot -> XOR of the seqs holding it
@@ -90,6 +91,7 @@ class PoolMirror:
 
     def extend(self, n: int) -> None:
         """Room for slots below ``n`` (new slots: no memberships, no lease)."""
+        self.n = max(self.n, n)
         k = len(self.refs)
         if n > k:
             size = max(n, 2 * k)
@@ -171,8 +173,8 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
     rows, leased = ik.check_slots(
         arr, pool.n_slots, pool.pg_live, pool.pg_device, pool.pg_refs, pool.pg_active,
         pool.pg_pins, pool.pg_protected, pool.pg_committed, pool.pg_writer, pool.pg_host_off,
-        pool.free_slots.bits, pool.free_pages.bits, len(pm.lease), pm.refs, pm.arefs, pm.owners,
-        pm.active, pm.dev, pm.lease, want)
+        pool.free_slots.bits, pool.free_pages.bits, len(pm.lease), pm.n, pm.refs, pm.arefs,
+        pm.owners, pm.active, pm.dev, pm.lease, want)
     pm.leased += leased
     if len(rows):
         _word(pm, rows.tolist(), out)
@@ -227,7 +229,7 @@ def _word(pm: PoolMirror, rows: list[list[int]], out: list[str]) -> None:
         else:
             assert kind == ik.K_MIRROR_SHORT, kind
             raise IndexError(f"slot {a} is past the checker's index of {pm.name} "
-                             f"({len(pm.refs)} slots)")
+                             f"({pm.n} slots)")
 
 
 def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: list[str]) -> None:

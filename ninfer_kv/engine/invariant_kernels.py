@@ -179,7 +179,8 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
                 pg_refs: np.ndarray, pg_active: np.ndarray, pg_pins: np.ndarray,
                 pg_protected: np.ndarray, pg_committed: np.ndarray, pg_writer: np.ndarray,
                 pg_host_off: np.ndarray, free_slot_bits: np.ndarray, free_page_bits: np.ndarray,
-                capacity: int, refs: np.ndarray, arefs: np.ndarray, owners: np.ndarray,
+                capacity: int, n_mirror: int, refs: np.ndarray, arefs: np.ndarray,
+                owners: np.ndarray,
                 space_active: np.ndarray, dev: np.ndarray, lease: np.ndarray,
                 want: np.ndarray) -> tuple[np.ndarray, int]:
     """The incremental checker's page checks on ``slots`` (each >= 0), in slot order, after
@@ -194,20 +195,20 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
     or asks the caller to finish a check it keeps outside: ``K_LEASE_OUTSIDE`` (a lease of a
     device page id outside [0, capacity), kept in a dict), ``K_WRITER`` (is the writer of a
     page in several memberships an active member: the caller's space mirror),
-    ``K_MIRROR_SHORT`` (the slot is past the
-    mirror's arrays: the caller raises; every slot before it was checked). A slot at or past
+    ``K_MIRROR_SHORT`` (the slot is at or past ``n_mirror``, the slots the mirror has seen, or
+    past its arrays: the caller raises; every slot before it was checked). A slot at or past
     ``n_slots`` reads as dead."""
     rows = np.empty((64, 4), np.int64)
     n = 0
     leased = 0
     nfp = free_page_bits.shape[0]
     for j in range(slots.shape[0]):
-        if n + 12 > rows.shape[0]:  # at most 11 rows per slot
+        if n + 12 > rows.shape[0]:  # at most 12 rows per slot
             grown = np.empty((2 * rows.shape[0], 4), np.int64)
             grown[:n] = rows[:n]
             rows = grown
         s = slots[j]
-        if s >= refs.shape[0]:
+        if s >= n_mirror or s >= refs.shape[0]:
             rows[n, 0], rows[n, 1] = K_MIRROR_SHORT, s
             return rows[:n + 1], leased
         live = s < n_slots and pg_live[s]

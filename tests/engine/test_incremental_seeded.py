@@ -345,8 +345,8 @@ def test_clean_story_is_clean(story: list[Any]) -> None:
 
 def test_lease_index_follows_pages_outside_the_pool(story: list[Any]) -> None:
     """The lease index keeps device ids outside the pool in a dict: a slot that leaves such
-    an id frees it for another slot (no false double lease), and a slot past the checker's
-    arrays is an IndexError, not a read out of bounds."""
+    an id frees it for another slot (no false double lease), and a slot past those the
+    checker has seen is an IndexError (as before its arrays), never a read out of bounds."""
     st = StoreState()
     chk = IncrementalChecker(st)
     for e in story:
@@ -367,5 +367,8 @@ def test_lease_index_follows_pages_outside_the_pool(story: list[Any]) -> None:
     check_pages(pool, pm, [0, 1], None, out)
     assert "device page 1000 leased by slots 0 and 1 (§14)" not in out, out
     assert pm.lease_outside == {1000: 1}
-    with pytest.raises(IndexError, match="past the checker's index"):
-        check_pages(pool, pm, [len(pm.refs)], None, [])
+    pm.extend(pm.n + 1)  # its arrays grow by doubling: longer than the slots it has seen
+    assert pm.n < len(pm.refs)
+    for past in (pm.n, len(pm.refs)):
+        with pytest.raises(IndexError, match="past the checker's index"):
+            check_pages(pool, pm, [past], None, [])
