@@ -117,6 +117,7 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/round_kernels.py", "filter", ops=("guard",)),
     Target("engine/apply_kernels.py", "filter", ops=("guard",)),
     Target("engine/invariant_kernels.py", "filter", ops=("guard",)),
+    Target("journal/frames.py", "filter", ("walk_frames",), ops=("guard",)),
     Target("engine/continuation.py", "filter", ("unrecoverable_reason",)),
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
@@ -188,6 +189,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
                           *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
+    ("journal/frames.py", ["tests/journal/test_frames.py", *JOURNAL], []),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
     ("kernels/*.py", KERNELS, MACHINE),
 ]
@@ -213,6 +215,9 @@ EQUIVALENT: dict[str, str] = {
         "a membership holds live pages only (§14); a dead one is a corrupt snapshot",
     'engine/apply.py:_new_checkpoint:assert:"{}: a dead page in its membership"':
         "a membership holds live pages only (§14); a dead one is a corrupt snapshot",
+    "engine/invariant_kernels.py:check_slots:filter:s >= refs.shape[0] -> False":
+        "PoolMirror.extend keeps n (the slots seen, tested by s >= n_mirror) <= the arrays' "
+        "length; it guards the kernel's reads against a mirror built otherwise, not a rule",
     'engine/apply_host.py:host_publish:assert:"page is not None"':
         "a pending transfer pins its pages (HostReserve), so they stay live until it ends",
     'engine/apply_host.py:host_abort:assert:"page is not None"':
@@ -416,10 +421,17 @@ REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "W
                            "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE",
                            "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "TOO_WIDE", "GROW_BAD",
                            "DEAD", "SHORT", "NO_DEVICE", "C_NO_SPACE", "C_ORDER", "C_DEAD",
-                           "C_SHORT", "C_RANGE", "C_NEGATIVE"})
+                           "C_SHORT", "C_RANGE", "C_NEGATIVE",
+                           "K_RELEASED_NOT_FREE", "K_OUT_OF_RANGE", "K_DOUBLE_LEASE",
+                           "K_ON_FREE_LIST", "K_FREE_SLOT_LIVE", "K_DEAD_REFS", "K_REFS",
+                           "K_ACTIVE_REFS", "K_COLUMNS", "K_WRITER", "K_SHARED_WRITER",
+                           "K_NO_DEVICE", "K_PINS", "K_NOT_RECYCLED", "K_MIRROR_SHORT",
+                           "K_WRITER_NOT_MEMBER",
+                           "TORN_HEADER", "IMPLAUSIBLE", "TORN_RECORD", "BAD_CRC", "BAD_SALT",
+                           "BAD_SEQ", "BAD_CHAIN"})
 """engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is
 a check (guard op); so is one recording a problem row that names one
-(engine/invariant_kernels.py)."""
+(engine/invariant_kernels.py), or a frame walk's stop code (journal/frames.py)."""
 
 
 def _returns_code(value: ast.expr | None) -> bool:
