@@ -172,10 +172,13 @@ class IncrementalChecker:
             added = new[k:]
             pm.extend(max(added) + 1)
             mset = m.mset
-            for s in added:
-                if s in mset:
-                    out.append(f"bundle {b}: page {s} appears twice in one membership")
-                mset.add(s)
+            if len(added) > 8 and mset.isdisjoint(added) and len(set(added)) == len(added):
+                mset.update(added)  # the loop below would add them all and report nothing
+            else:
+                for s in added:
+                    if s in mset:
+                        out.append(f"bundle {b}: page {s} appears twice in one membership")
+                    mset.add(s)
             bump(pm.refs, added, 1)
             toggle(pm.owners, added, b)
             if active:

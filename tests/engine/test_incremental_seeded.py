@@ -24,6 +24,7 @@ from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import unpack
 from tests.engine.conftest import crash, small_config
 from tests.engine.test_incremental import journal_events
 
@@ -170,6 +171,15 @@ CASES = [
     # --- spaces (_sync) ----------------------------------------------------------------------
     Case("dup member", MAT, lambda st, e, c: space(st, e).append_member(space(st, e).members[-1]),
          "appears twice in one membership", "appears twice", main),
+    # more than 8 pages added at once: the set is updated whole unless one repeats
+    Case("dup in a long add", MAT, lambda st, e, c: setattr(
+        space(st, e), "members", space(st, e).members + space(st, e).members[:3]),
+         "bundle 1: page 0 appears twice in one membership", "appears twice", main),
+    Case("long add of members", MAT, lambda st, e, c: setattr(
+        space(st, e), "members", space(st, e).members + space(st, e).members[:7]
+        + space(st, e, 2).members[:1]),
+         "bundle 1: page 0 appears twice in one membership", "appears twice",
+         lambda e: main(e) and unpack(e.bundles).tolist() == [1]),
     Case("space key", ACT, lambda st, e, c: setattr(space(st, e), "bundle", 99),
          "space key 1 != bundle 99", "space key", first_main_act),
     Case("L", MAT, lambda st, e, c: setattr(pool(st, e), "logical_pages", 6), r"7 pages > L=6",
