@@ -426,7 +426,7 @@ REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "W
                            "K_ON_FREE_LIST", "K_FREE_SLOT_LIVE", "K_DEAD_REFS", "K_REFS",
                            "K_ACTIVE_REFS", "K_COLUMNS", "K_WRITER", "K_SHARED_WRITER",
                            "K_NO_DEVICE", "K_PINS", "K_NOT_RECYCLED", "K_MIRROR_SHORT",
-                           "K_WRITER_NOT_MEMBER",
+                           "K_WRITER_NOT_MEMBER", "B_DEAD", "B_SHORT", "B_RANGE", "B_INDEX",
                            "TORN_HEADER", "IMPLAUSIBLE", "TORN_RECORD", "BAD_CRC", "BAD_SALT",
                            "BAD_SEQ", "BAD_CHAIN"})
 """engine/round_kernels.py's and apply_kernels.py's refusal codes: an ``if`` returning one is

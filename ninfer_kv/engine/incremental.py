@@ -205,8 +205,8 @@ class IncrementalChecker:
                 out.append(f"inactive bundle {b} occupies row {row} (§14)")
         oc = pm.seen_committed(b)
         lo, hi = min(k, (oc if oc < c else c) // P), min(n_new, -(-(c if c > oc else oc) // P))
-        if lo < hi:  # blocks whose need moved; pages in ``touched`` get the page checks
-            columns(pool.pages, new, c, lo, hi, 0 if flip else k, b, out)
+        if lo < hi and sp is not None:  # blocks whose need moved (``touched``: page checks)
+            columns(pool, sp.i, c, lo, hi, 0 if flip else k, b, out)
         pm.see_committed(b, c)
         contrib = ent - n_new - (sp.incoming if sp is not None else 0) if active else 0
         pm.reserved += contrib - m.contrib

@@ -11,13 +11,12 @@ path (a decode round's CommitFrontiers) and ``columns`` the frontier-block check
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ninfer_kv.engine import invariant_kernels as ik
 from ninfer_kv.engine.address_space import NO_ROW
-from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal import events as ev
@@ -134,26 +133,26 @@ def toggle(owners: np.ndarray, slots: list[int], b: int) -> None:
         np.bitwise_xor.at(owners, slots, b)
 
 
-def columns(pages: list[Any], members: list[int], c: int, lo: int, hi: int, k: int, b: int,
+def columns(pool: PoolState, i: int, c: int, lo: int, hi: int, k: int, b: int,
             out: list[str]) -> None:
-    """Blocks ``lo..hi`` of space ``b`` (committed frontier ``c``): each holds the columns the
-    frontier needs; blocks below ``k`` (pages no other check visits) also get the column range."""
-    n = len(pages)
-    for i in range(lo, hi):
-        s = members[i]
-        pg = pages[s] if s < n else None
-        if pg is None:
-            if i < k:
-                out.append(f"bundle {b}: block {i} -> dead slot {s} (frontier block)")
-            continue
-        pc = pg.committed
-        need = c - i * P
-        if pc < (need if need < P else P):
-            out.append(f"bundle {b}: block {i} page {s} committed {pc} < {min(P, need)}")
-        if i < k and not 0 <= pg.protected <= pc <= P:
-            out.append(f"page {s} columns protected={pg.protected} committed={pc} out of range "
+    """Blocks ``lo..hi`` of space ``b`` (its index ``i`` in the pool's space arrays,
+    committed frontier ``c``): each holds the columns the frontier needs; blocks below ``k``
+    (pages no other check visits) also get the column range. One compiled pass
+    (``invariant_kernels.check_blocks``): a flip reads every block of a long prompt."""
+    rows = ik.check_blocks(pool.sp_members[i], int(pool.sp_nmem[i]), c, lo, hi, k,
+                           pool.n_slots, pool.pg_live, pool.pg_committed, pool.pg_protected)
+    for kind, blk, s, x, y in rows.tolist():
+        if kind == ik.B_DEAD:
+            out.append(f"bundle {b}: block {blk} -> dead slot {s} (frontier block)")
+        elif kind == ik.B_SHORT:
+            out.append(f"bundle {b}: block {blk} page {s} committed {x} < {y}")
+        elif kind == ik.B_RANGE:
+            out.append(f"page {s} columns protected={x} committed={y} out of range "
                        f"(frontier block)")
-
+        else:
+            assert kind == ik.B_INDEX, kind
+            raise IndexError(f"bundle {b}: block {blk} (slot {s}) outside its membership of "
+                             f"{int(pool.sp_nmem[i])} pages, or a negative slot")
 
 
 def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMirror | None,

@@ -167,6 +167,50 @@ def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarra
     return rows[:n]
 
 
+B_DEAD, B_SHORT, B_RANGE, B_INDEX = 1, 2, 3, 4
+"""``check_blocks``' rows."""
+
+
+@njit(nogil=True)
+def check_blocks(members: np.ndarray, nmem: int, c: int, lo: int, hi: int, k: int,
+                 n_slots: int, pg_live: np.ndarray, pg_committed: np.ndarray,
+                 pg_protected: np.ndarray) -> np.ndarray:
+    """The incremental checker's frontier-block check (``incremental_index.columns``) on
+    blocks ``lo..hi`` of a membership (``members[:nmem]``) at committed frontier ``c``: each
+    holds the columns the frontier needs; blocks below ``k`` also hold a live page with its
+    columns in range. Rows (kind, block, slot, x, y): ``B_DEAD`` (slot), ``B_SHORT`` (slot,
+    committed, need), ``B_RANGE`` (slot, protected, committed), ``B_INDEX`` (a block or slot
+    no list index reaches: the caller raises IndexError as a list read did; the rows before
+    it stand). A negative block counts from the end, as a list index does (a negative
+    frontier: damage the space checks report)."""
+    rows = np.empty((max(hi - lo, 0) * 2 + 1, 5), np.int64)
+    n = 0
+    for i in range(lo, hi):
+        j = i if i >= 0 else nmem + i
+        if not 0 <= j < nmem:
+            rows[n, 0], rows[n, 1] = B_INDEX, i
+            return rows[:n + 1]
+        s = members[j]
+        if s < 0:
+            rows[n, 0], rows[n, 1], rows[n, 2] = B_INDEX, i, s
+            return rows[:n + 1]
+        if s >= n_slots or not pg_live[s]:
+            if i < k:
+                rows[n, 0], rows[n, 1], rows[n, 2] = B_DEAD, i, s
+                n += 1
+            continue
+        pc = pg_committed[s]
+        need = min(c - i * P, P)
+        if pc < need:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3], rows[n, 4] = B_SHORT, i, s, pc, need
+            n += 1
+        if i < k and not 0 <= pg_protected[s] <= pc <= P:
+            rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3], rows[n, 4] = \
+                B_RANGE, i, s, pg_protected[s], pc
+            n += 1
+    return rows[:n]
+
+
 # check_slots' rows: (kind, a, b, c); incremental_index.check_pages words them in order
 (K_RELEASED_NOT_FREE, K_OUT_OF_RANGE, K_DOUBLE_LEASE, K_LEASE_OUTSIDE, K_ON_FREE_LIST,
  K_FREE_SLOT_LIVE, K_DEAD_REFS, K_REFS, K_ACTIVE_REFS, K_COLUMNS, K_WRITER, K_SHARED_WRITER,

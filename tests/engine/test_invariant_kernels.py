@@ -161,3 +161,54 @@ def test_check_commit_stops_at_a_negative_member() -> None:
                            np.full(3, P, np.int64), np.zeros(3, np.int64), mirror)
     assert rows.tolist()[-1][:2] == [ik.C_NEGATIVE, -1]
     assert [r[0] for r in rows.tolist()] == [ik.C_NEGATIVE]  # block 0 is fine, block 1 stops
+
+
+def blocks_oracle(members: list[int], c: int, lo: int, hi: int, k: int, n_slots: int,
+                  live: np.ndarray, committed: np.ndarray, protected: np.ndarray
+                  ) -> list[tuple[int, ...]] | str:
+    """The incremental checker's frontier-block loop before it was compiled (a list read
+    per block, so a negative block counts from the end and a block past the membership or
+    a negative slot raises)."""
+    rows: list[tuple[int, ...]] = []
+    for i in range(lo, hi):
+        try:
+            s = members[i]
+        except IndexError:
+            return "index"
+        if s < 0:
+            return "index"
+        if s >= n_slots or not live[s]:
+            if i < k:
+                rows.append((ik.B_DEAD, i, s))
+            continue
+        pc, need = int(committed[s]), min(c - i * P, P)
+        if pc < need:
+            rows.append((ik.B_SHORT, i, s, pc, need))
+        if i < k and not 0 <= protected[s] <= pc <= P:
+            rows.append((ik.B_RANGE, i, s, int(protected[s]), pc))
+    return rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_check_blocks_matches_the_list_loop(data: st.DataObject) -> None:
+    """Random memberships (dead, negative and far slots), frontiers (negative ones too) and
+    block ranges past either end."""
+    n_slots = data.draw(st.integers(0, 12))
+    members = data.draw(st.lists(st.integers(-2, 14), max_size=8))
+    live = np.array(data.draw(st.lists(st.booleans(), min_size=16, max_size=16)))
+    committed = np.array(data.draw(st.lists(st.integers(-1, P + 1), min_size=16, max_size=16)))
+    protected = np.array(data.draw(st.lists(st.integers(-1, P + 1), min_size=16, max_size=16)))
+    c = data.draw(st.integers(-2 * P, 9 * P))
+    lo = data.draw(st.integers(-10, 9))
+    hi = data.draw(st.integers(lo, 10))
+    k = data.draw(st.integers(0, 9))
+    row = np.full(10, 3, np.int32)  # the pool's member row, longer than the membership
+    row[:len(members)] = members
+    got = ik.check_blocks(row, len(members), c, lo, hi, k, n_slots, live, committed, protected)
+    want = blocks_oracle(members, c, lo, hi, k, n_slots, live, committed, protected)
+    rows = [tuple(r[:{ik.B_DEAD: 3}.get(r[0], 5)]) for r in got.tolist()]
+    if want == "index":
+        assert rows and rows[-1][0] == ik.B_INDEX, rows
+    else:
+        assert rows == want
