@@ -120,6 +120,16 @@ def test_an_unwritable_cache_dir_never_falls_back_beside_the_sources(tmp_path: P
     assert "jit.cache_unwritable" in out.stderr
 
 
+def keyed_copies(into: Path, monkeypatch: pytest.MonkeyPatch, attr: str) -> Path:
+    """Copy the files ``jit.<attr>`` lists into ``into`` and key the cache by the copies."""
+    into.mkdir()
+    files = [into / p.name for p in getattr(jit, attr)]
+    for src, dst in zip(getattr(jit, attr), files, strict=True):
+        shutil.copy(src, dst)
+    monkeypatch.setattr(jit, attr, tuple(files))
+    return into
+
+
 def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Review finding: engine/round_kernels.py and free_ids.py used numba's own cache beside
@@ -132,12 +142,7 @@ def test_the_control_plane_loops_cache_with_the_kernels(tmp_path: Path,
     for f in (rk.resolve, rk.check_commit, ak.apply_commit, ak.fork_pages, free_ids._flip,
               free_ids._lowest):
         assert f._cache._cache_path.startswith(jit.cache_dir()), f
-    engine = tmp_path / "engine"
-    engine.mkdir()
-    files = [engine / p.name for p in jit.ENGINE_KERNELS]
-    for src, dst in zip(jit.ENGINE_KERNELS, files, strict=True):
-        shutil.copy(src, dst)
-    monkeypatch.setattr(jit, "ENGINE_KERNELS", tuple(files))
+    engine = keyed_copies(tmp_path / "engine", monkeypatch, "ENGINE_KERNELS")
     before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, engine / "layout.py")
     assert before != after  # layout.py: the P the control plane's loops bake in
 
@@ -156,11 +161,6 @@ def test_every_module_compiling_with_our_njit_is_in_the_cache_key() -> None:
 
 def test_the_frame_layout_is_part_of_the_key(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    journal = tmp_path / "journal"
-    journal.mkdir()
-    files = [journal / p.name for p in jit.JOURNAL_KERNELS]
-    for src, dst in zip(jit.JOURNAL_KERNELS, files, strict=True):
-        shutil.copy(src, dst)
-    monkeypatch.setattr(jit, "JOURNAL_KERNELS", tuple(files))
+    journal = keyed_copies(tmp_path / "journal", monkeypatch, "JOURNAL_KERNELS")
     before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, journal / "format.py")
     assert before != after
