@@ -1,12 +1,14 @@
 """The incremental verifier's own indexes and its page / column checks (see
 ``engine.incremental`` for the invariants and how the indexes are kept).
 
-``PoolMirror`` holds, per pool, what the checker last saw and counted itself: memberships and
-active memberships per slot, each slot's device lease, the device-page -> slot
-lease map, the sum of active reservations, the row leases, one ``SpaceMirror`` per space and
+``PoolMirror`` holds, per pool, what the checker last saw and counted itself: memberships,
+active memberships and the XOR of the holding seqs per slot, each slot's device lease, the
+device-page -> slot lease map (arrays, so the page checks run compiled), which seqs are
+active, the sum of active reservations, the row leases, one ``SpaceMirror`` per space and
 the pins it expects (pending host transfers, queued copies). ``check_pages`` moves those
 indexes to what the touched pages hold now and checks each page; ``check_commit`` is the hot
-path (a decode round's CommitFrontiers) and ``columns`` the frontier-block check.
+path (a decode round's CommitFrontiers) and ``columns`` the frontier-block check; all three
+run in ``invariant_kernels`` and word its rows here.
 """
 
 from __future__ import annotations
