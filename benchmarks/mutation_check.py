@@ -196,7 +196,9 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
 SUITE = ["tests/engine/test_*.py", "tests/journal/test_*.py", "tests/kernels/test_*.py",
          "tests/cache/test_*.py",
          "tests/integrations/test_*.py",
-         "tests/tools/test_*.py"]
+         "tests/tools/test_*.py",
+         # the replication tests that run in this process (a mutant is not in spawned ranks)
+         "tests/dist/test_replica_*.py", "tests/dist/test_packing.py"]
 SLOW = {"tests/engine/test_crash_soak.py", "tests/kernels/test_ptx.py",
         "tests/kernels/test_kernels_sim.py"}
 """Never run (minutes each)."""
