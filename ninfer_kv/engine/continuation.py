@@ -22,7 +22,7 @@ state — digest, reservations, rows, pins — exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
@@ -50,6 +50,16 @@ STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "
 """The eight activation steps of spec §7.3, in order (fault-injection labels)."""
 
 
+def per_pool(what: str, frontier: Mapping[Any, Any], pools: Sequence[str]) -> dict[str, int]:
+    """A frontier per pool, one for each of ``pools`` and no other (``as_int``, >= 0)."""
+    unknown = sorted(set(frontier) - set(pools), key=repr)
+    missing = [p for p in pools if p not in frontier]
+    if unknown or missing:
+        raise InvalidArgument(f"{what}frontier per pool: pools {list(pools)} need one each; "
+                              f"missing {missing}, unknown {unknown}")
+    return {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in pools}
+
+
 def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int],
                   prompt_tokens: int, max_output_tokens: int, mode: str = "auto",
                   keep_source: bool = True) -> int:
@@ -65,12 +75,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
     names = store.pools
     if type(frontier) is not int and isinstance(frontier, Mapping):
-        unknown = sorted(set(frontier) - set(names))
-        missing = [p for p in names if p not in frontier]
-        if unknown or missing:
-            raise InvalidArgument(f"frontier per pool: pools {list(names)} need one each; "
-                                  f"missing {missing}, unknown {unknown}")
-        frontiers = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in names}
+        frontiers = per_pool("", frontier, names)
     else:
         f0 = as_int("frontier", frontier, lo=0)
         frontiers = dict.fromkeys(names, f0)
@@ -250,23 +255,35 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
     return dst
 
 
-def release_tail(store: Txn, checkpoint: int, frontier: int) -> int | None:
-    """``KVStore.release_tail``: validate, then a ``Prefix`` per pool (when a whole page is
-    kept) and a ``Release`` per pool, in one record."""
+def release_tail(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]) -> int | None:
+    """``KVStore.release_tail``: validate, then a ``Prefix`` per pool (when some pool keeps a
+    whole page) and a ``Release`` per pool, in one record. ``frontier`` is one int for every
+    pool, or one per pool (the pools of a DFlash checkpoint hold different frontiers); a pool
+    whose frontier holds no whole page keeps an empty space in the new checkpoint."""
     st = store.state
     checkpoint = as_int("checkpoint", checkpoint)
-    frontier = as_int("frontier", frontier, lo=0)
     b = st.bundles.get(checkpoint)
     if b is None or b.active:
         raise UnknownHandle(f"release_tail: {checkpoint} is not an inactive checkpoint")
-    committed = min(st.pools[pool].spaces[checkpoint].committed for pool in b.pools)
-    if frontier > committed:
-        raise FrontierError(f"release_tail: checkpoint {checkpoint} keeps at most its frontier "
-                            f"{committed} (lowest over pools {list(b.pools)}), not {frontier}")
-    keep = frontier // P
-    dst = st.next_bundle if keep else None
-    events: list[Any] = [ev.Prefix(checkpoint, dst, pool, keep) for pool in b.pools] if keep \
-        else []
+    committed = {pool: st.pools[pool].spaces[checkpoint].committed for pool in b.pools}
+    if type(frontier) is not int and isinstance(frontier, Mapping):
+        fs = per_pool("release_tail ", frontier, b.pools)
+        for pool, f in fs.items():
+            if f > committed[pool]:
+                raise FrontierError(f"release_tail: checkpoint {checkpoint} pool {pool} keeps "
+                                    f"at most its frontier {committed[pool]}, not {f}")
+    else:
+        f0 = as_int("frontier", frontier, lo=0)
+        low = min(committed.values())
+        if f0 > low:
+            raise FrontierError(f"release_tail: checkpoint {checkpoint} keeps at most its "
+                                f"frontier {low} (lowest over pools {list(b.pools)}: "
+                                f"{committed}), not {f0}")
+        fs = dict.fromkeys(b.pools, f0)
+    keep = {pool: f // P for pool, f in fs.items()}
+    dst = st.next_bundle if any(keep.values()) else None
+    events: list[Any] = [ev.Prefix(checkpoint, dst, pool, keep[pool]) for pool in b.pools] \
+        if dst is not None else []
     events.extend(ev.Release(checkpoint, pool) for pool in b.pools)
     store._emit(*events)
     return dst
@@ -292,13 +309,8 @@ def fork_live(store: Txn, bundle: int, frontier: int | Mapping[str, int] | None,
         b = st.bundles.get(bundle)
         if b is None or not b.active:
             raise InactiveSpace(f"seq {bundle} is not an active sequence; {hint}")
-        unknown = sorted(set(frontier) - set(b.pools))
-        missing = [p for p in b.pools if p not in frontier]
-        if unknown or missing:
-            raise InvalidArgument(f"fork_live frontier per pool: pools {list(b.pools)} need "
-                                  f"one each; missing {missing}, unknown {unknown}")
+        fs = per_pool("fork_live ", frontier, b.pools)
         spaces = {pool: st.pools[pool].spaces[bundle] for pool in b.pools}
-        fs = {p: as_int(f"frontier[{p!r}]", frontier[p], lo=0) for p in b.pools}
         for pool, f in fs.items():
             if f > spaces[pool].committed:
                 raise FrontierError(f"seq {bundle} pool {pool}: fork_live frontier {f} beyond "

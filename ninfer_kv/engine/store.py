@@ -231,10 +231,11 @@ class KVStore(StoreCore):
         self._usable("release")
         termination.release(self, as_int("checkpoint", checkpoint))
 
-    def release_tail(self, checkpoint: int, frontier: int) -> int | None:
+    def release_tail(self, checkpoint: int, frontier: int | dict[str, int]) -> int | None:
         """Give up the pages of inactive ``checkpoint`` above its first ``frontier // P``
-        whole pages: a new checkpoint holds those (returned; ``None`` when no whole page is
-        kept) and ``checkpoint`` is released, in one record. A page frees with its last
+        whole pages (``frontier``: one int, or one per pool): a new checkpoint holds those
+        (returned; ``None`` when no pool keeps a whole page) and ``checkpoint`` is released,
+        in one record. A page frees with its last
         reference (§8.3); the prefix stays continuable — vLLM frees a cached request's blocks
         tail first for the same reason. Metadata is not carried over (``set_metadata``)."""
         self._usable("release_tail")

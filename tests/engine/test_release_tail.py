@@ -18,7 +18,7 @@ from ninfer_kv.errors import FrontierError, FrozenUnit, InvalidArgument, Unknown
 from ninfer_kv.journal import events as ev
 from ninfer_kv.replay import replay
 from tests.engine.conftest import assert_refusals_change_nothing, crash, small_config
-from tests.engine.test_continuation import checkpoint_at, page_bytes, running, step
+from tests.engine.test_continuation import checkpoint_at, page_bytes, running, step, write_tokens
 from tests.engine.test_host_tier import host_store
 
 
@@ -122,4 +122,76 @@ def test_a_prefix_into_another_commands_checkpoint_is_refused(tmp_path: Path) ->
     with pytest.raises(AssertionError, match="not this prefix checkpoint"):
         apply(st, ev.Prefix(ck, dst, "mtp", 1))
     assert all((st.pools[n].pg_refs == r).all() for n, r in refs.items())
+    s.close()
+
+
+def checkpoint_per_pool(s: KVStore, tokens: dict[str, int]) -> int:
+    """An inactive checkpoint whose pools hold different committed frontiers (as a DFlash
+    sequence's main and draft pools do)."""
+    a = s.activate(max(tokens.values()), 100)
+    for pool, n in tokens.items():
+        s.ensure_mapped(a, pool, n)
+    step(s)
+    for pool, n in tokens.items():
+        write_tokens(s, a, pool, 0, n)
+        s.commit(a, pool, n)
+    ck = s.finish(a, retain=True)
+    step(s)
+    assert ck is not None
+    return ck
+
+
+def test_a_frontier_per_pool_keeps_each_pools_own_prefix(tmp_path: Path) -> None:
+    """One frontier is capped by the lowest pool; a mapping keeps each pool's own whole pages,
+    and a pool whose frontier holds no whole page keeps an empty space (still continuable at
+    frontier 0 there)."""
+    s = KVStore.open(small_config(tmp_path, backend=Backend.DFLASH, checked=True))
+    draft = next(p for p in s.pools if p != "main")
+    ck = checkpoint_per_pool(s, {"main": 5 * P + 7, draft: 2 * P + 3})
+    before = device_bytes(s, ck)
+    with pytest.raises(FrontierError, match=f"lowest over pools .*'{draft}': {2 * P + 3}"):
+        s.release_tail(ck, 4 * P)                     # one int: the draft pool caps it
+    new = s.release_tail(ck, {"main": 4 * P + 1, draft: 2 * P})
+    step(s)
+    assert new is not None and ck not in s.state.bundles
+    assert s.space(new, "main").committed == 4 * P and s.space(new, draft).committed == 2 * P
+    for pool, n in (("main", 4), (draft, 2)):
+        for got, want in zip(device_bytes(s, new)[pool], before[pool][:n], strict=True):
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    c = s.activate_from(new, {"main": 4 * P, draft: 2 * P}, 4 * P, 10)
+    step(s)
+    assert s.space(c, draft).members[:2] == s.space(new, draft).members
+    zero = s.release_tail(new, {"main": 3 * P, draft: P - 1})  # the draft keeps nothing
+    step(s)
+    assert zero is not None and s.space(zero, draft).members == []
+    assert s.space(zero, "main").committed == 3 * P
+    d = s.activate_from(zero, {"main": 3 * P, draft: 0}, 3 * P, 10)
+    step(s)
+    assert s.space(d, draft).committed == 0
+    gone = s.release_tail(zero, {"main": P - 1, draft: 0})  # nothing kept: a plain release
+    step(s)
+    assert gone is None and zero not in s.state.bundles
+    s.close()
+    r = replay(str(tmp_path / "journal"), verify_every=1)
+    assert r.digest == s.digest() and not r.violations
+
+
+def test_a_frontier_per_pool_is_refused_whole(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, backend=Backend.DFLASH))
+    draft = next(p for p in s.pools if p != "main")
+    ck = checkpoint_per_pool(s, {"main": 3 * P, draft: P + 5})
+    assert_refusals_change_nothing(s, [
+        (InvalidArgument, rf"missing \['{draft}'\], unknown \[\]",
+         lambda: s.release_tail(ck, {"main": P})),
+        (InvalidArgument, r"missing \[\], unknown \['x'\]",
+         lambda: s.release_tail(ck, {"main": P, draft: P, "x": 0})),
+        (FrontierError, f"pool {draft} keeps at most its frontier {P + 5}, not {2 * P}",
+         lambda: s.release_tail(ck, {"main": P, draft: 2 * P})),
+        (FrontierError, f"pool main keeps at most its frontier {3 * P}, not {3 * P + 1}",
+         lambda: s.release_tail(ck, {"main": 3 * P + 1, draft: 0})),
+        (InvalidArgument, r"frontier\['main'\]=-1 must be >= 0",
+         lambda: s.release_tail(ck, {"main": -1, draft: 0})),
+        (InvalidArgument, r"frontier\['main'\]=True: a bool",
+         lambda: s.release_tail(ck, {"main": True, draft: 0})),
+    ])
     s.close()

@@ -409,7 +409,9 @@ class SharingMachine(StoreMachine):
         """A cache gives up a checkpoint's tail: its first whole pages live on as a new one."""
         ck = data.draw(st.sampled_from(self.checkpoints))
         f = int(self.committed(ck) * frac)
-        new = self.attempt("release_tail", self.store.release_tail, ck, f)
+        per_pool = data.draw(st.booleans())  # the same frontiers, given one per pool
+        new = self.attempt("release_tail", self.store.release_tail, ck,
+                           dict.fromkeys(self.pools, f) if per_pool else f)
         if new is None:
             return
         self.doomed.add(ck)
