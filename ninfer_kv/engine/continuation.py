@@ -262,18 +262,19 @@ def release_tail(store: Txn, checkpoint: int, frontier: int | Mapping[str, int])
     whose frontier holds no whole page keeps an empty space in the new checkpoint."""
     st = store.state
     checkpoint = as_int("checkpoint", checkpoint)
+    mapping = type(frontier) is not int and isinstance(frontier, Mapping)
+    f0 = 0 if mapping else as_int("frontier", frontier, lo=0)  # integers before any rule
     b = st.bundles.get(checkpoint)
     if b is None or b.active:
         raise UnknownHandle(f"release_tail: {checkpoint} is not an inactive checkpoint")
     committed = {pool: st.pools[pool].spaces[checkpoint].committed for pool in b.pools}
-    if type(frontier) is not int and isinstance(frontier, Mapping):
+    if mapping:
         fs = per_pool("release_tail ", frontier, b.pools)
         for pool, f in fs.items():
             if f > committed[pool]:
                 raise FrontierError(f"release_tail: checkpoint {checkpoint} pool {pool} keeps "
                                     f"at most its frontier {committed[pool]}, not {f}")
     else:
-        f0 = as_int("frontier", frontier, lo=0)
         low = min(committed.values())
         if f0 > low:
             raise FrontierError(f"release_tail: checkpoint {checkpoint} keeps at most its "

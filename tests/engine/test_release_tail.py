@@ -5,10 +5,13 @@ cached request's blocks tail first, so its prompt outlives its generated tail.""
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import Backend
@@ -66,6 +69,9 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
         (FrontierError, "at most its frontier 131", lambda: s.release_tail(ck, 2 * P + 4)),
         (InvalidArgument, "frontier", lambda: s.release_tail(ck, -1)),
         (InvalidArgument, "frontier", lambda: s.release_tail(ck, 1.5)),  # type: ignore[arg-type]
+        # integers are checked before any rule: a bad frontier names itself, whatever the id
+        (InvalidArgument, "frontier=-1 must be >= 0", lambda: s.release_tail(999, -1)),
+        (InvalidArgument, "frontier=True: a bool", lambda: s.release_tail(a, True)),
     ])
     s.close_boundary()
     with pytest.raises(FrozenUnit):
@@ -195,3 +201,47 @@ def test_a_frontier_per_pool_is_refused_whole(tmp_path: Path) -> None:
          lambda: s.release_tail(ck, {"main": True, draft: 0})),
     ])
     s.close()
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(main=hs.integers(0, 5 * P + 7), draft=hs.integers(0, 2 * P + 3))
+def test_any_frontier_per_pool_keeps_exactly_its_whole_pages(main: int, draft: int) -> None:
+    """For any per-pool frontiers: each pool keeps its own whole pages (the same slots and
+    bytes), frees the rest, and replay agrees; equal frontiers given per pool or as one int
+    give the same digest."""
+    with tempfile.TemporaryDirectory() as d:
+        stores = [KVStore.open(small_config(Path(d) / str(k), backend=Backend.DFLASH))
+                  for k in range(2)]
+        other = next(p for p in stores[0].pools if p != "main")
+        want = {"main": main, other: draft}
+        low = min(want.values())
+        for k, s in enumerate(stores):
+            ck = checkpoint_per_pool(s, {"main": 5 * P + 7, other: 2 * P + 3})
+            held = {p: s.space(ck, p).members for p in s.pools}
+            before, free0 = device_bytes(s, ck), s.occupancy()
+            if k == 0:
+                new = s.release_tail(ck, want)
+                fs = want
+            else:  # one int, and its dict twin on the first store's twin below
+                new = s.release_tail(ck, low)
+                fs = dict.fromkeys(s.pools, low)
+            step(s)
+            keep = {p: f // P for p, f in fs.items()}
+            assert (new is None) == (not any(keep.values())) and ck not in s.state.bundles
+            for p in s.pools:
+                freed = s.occupancy()[p]["available"] - free0[p]["available"]
+                assert freed == len(held[p]) - keep[p], (p, freed)
+                if new is not None:
+                    assert s.space(new, p).members == held[p][:keep[p]]
+                    assert s.space(new, p).committed == keep[p] * P
+                    for got, w in zip(device_bytes(s, new)[p], before[p], strict=False):
+                        assert all(torch.equal(g, x) for g, x in zip(got, w, strict=True))
+        twin = KVStore.open(small_config(Path(d) / "twin", backend=Backend.DFLASH))
+        ck = checkpoint_per_pool(twin, {"main": 5 * P + 7, other: 2 * P + 3})
+        twin.release_tail(ck, dict.fromkeys(twin.pools, low))
+        step(twin)
+        assert twin.digest() == stores[1].digest()
+        for s in (*stores, twin):
+            s.close()
+            r = replay(str(Path(s.config.journal_dir)), verify_every=1)
+            assert r.digest == s.digest() and not r.violations
