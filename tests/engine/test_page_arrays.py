@@ -11,11 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.apply import new_members
+from ninfer_kv.engine.apply import apply, new_members
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import page_tuples
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.journal import events as ev
 from tests.engine.conftest import small_config
 from tests.engine.test_continuation import checkpoint_at, step
 
@@ -73,10 +74,17 @@ def test_a_host_replica_on_a_free_slot_is_reported_and_never_inherited(tmp_path:
     s.release(a)
     step(s)
     assert slot not in p.host_of and p.pages[slot] is None
+    b = s.activate(10, 100)                    # entitled to a page it has not mapped yet
+    step(s)
     p.host_of[slot] = replica  # the fault
     assert any("still records a host replica" in v for v in s.violations())
     with pytest.raises(AssertionError, match="still records a host replica"):
         p.init_pages([slot], [NO_PAGE], NO_PAGE, False)
+    before = (s.digest(), p.free_slots.n, p.free_pages.n, p.reserved)
+    page = next(iter(p.free_pages))  # apply(Materialize) into that slot: refused, unchanged
+    with pytest.raises(AssertionError, match="still records a host replica"):
+        apply(s.state, ev.Materialize("main", ev.pack([b]), ev.pack([slot]), ev.pack([page])))
+    assert (s.digest(), p.free_slots.n, p.free_pages.n, p.reserved) == before
 
 
 def test_a_space_slots_view_is_read_only(tmp_path: Path) -> None:
