@@ -174,6 +174,22 @@ def test_materialize_refuses_fields_of_different_lengths() -> None:
         assert got[0] == ak.LENGTHS
 
 
+def test_apply_names_fields_of_different_lengths() -> None:
+    """apply(Materialize) words the kernel's LENGTHS refusal as such (without that assert
+    the refusal fell through to the last, wrong message); nothing changes."""
+    s, live, _ = a_store(4)
+    pool = s.state.pools["main"]
+    slot, page = int(next(iter(pool.free_slots))), int(next(iter(pool.free_pages)))
+    before = digest(s.state)
+    for e in (ev.Materialize("main", ev.pack([live[0], live[1]]), ev.pack([slot]),
+                             ev.pack([page])),
+              ev.Materialize("main", ev.pack([live[0]]), ev.pack([slot])[:3], ev.pack([page]))):
+        with pytest.raises(AssertionError, match=r"bytes of seqs, slots and page groups"):
+            apply(s.state, e)
+        assert digest(s.state) == before
+    s.close()
+
+
 def test_a_membership_past_l_is_refused_before_any_array_grows() -> None:
     """Review repro: the arrays grew to what a damaged event asked before it was refused
     (here a membership past L; with never-used slots, as many as the event listed), so an
