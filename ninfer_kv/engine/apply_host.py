@@ -47,9 +47,12 @@ def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
         for off in offsets:
             st.host.allocate(off, size)
             done.append(off)
-    except (KeyError, AssertionError):
-        for off in reversed(done):  # undone whole: carving then freeing restores the extent
-            st.host.free(off)
+    except (KeyError, AssertionError) as exc:
+        for old in reversed(done):  # undone whole: carving then freeing restores the extent
+            st.host.free(old)
+        if isinstance(exc, KeyError):  # the arena's lookup: name the event and the offset
+            raise AssertionError(f"HostReserve of {e.pool}: offset {off} does not start a "
+                                 "free host extent (§5.3)") from None
         raise
     for slot in slots:
         pool.pages[slot].pins += 1  # type: ignore[union-attr]

@@ -197,7 +197,7 @@ WORDING = {
     'Pin of a live slot, then a dead one': 'slots [99] are not live pages',
     'Unpin of a slot pinned once, listed twice': 'unpinned more often than pinned',
     'HostReserve: a live slot, then a free one': 'are not live pages',
-    'HostReserve: a second offset not free': '1099511627776',
+    'HostReserve: a second offset not free': 'offset 1099511627776 does not start a free host',
     'DeviceRestore of a page on the device': 'repeat, or one is on the device',
     'DeviceDrop without a host replica': 'not on both tiers',
     'HostDrop without a host replica': 'hold no host replica',
