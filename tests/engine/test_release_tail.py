@@ -30,6 +30,15 @@ def device_bytes(s: KVStore, ck: int) -> dict[str, list[list[torch.Tensor]]]:
                    for x in s.space(ck, pool).members] for pool in s.pools}
 
 
+def close_and_replay(s: KVStore) -> None:
+    """Close ``s``; replaying its journal with the checker after every event finds nothing
+    and the live store's digest."""
+    s.close()
+    assert s.config.journal_dir is not None
+    r = replay(s.config.journal_dir, verify_every=1)
+    assert r.digest == s.digest() and not r.violations
+
+
 @pytest.mark.parametrize("backend", [Backend.OFF, Backend.MTP, Backend.DFLASH])
 def test_the_tail_frees_and_the_prefix_continues(tmp_path: Path, backend: Backend) -> None:
     s = KVStore.open(small_config(tmp_path, backend=backend, checked=True))
@@ -54,9 +63,7 @@ def test_the_tail_frees_and_the_prefix_continues(tmp_path: Path, backend: Backen
     again = s.release_tail(new, P - 1)                 # no whole page kept: a plain release
     step(s)
     assert again is None and new not in s.state.bundles
-    s.close()
-    r = replay(str(tmp_path / "journal"), verify_every=1)
-    assert r.digest == s.digest() and not r.violations
+    close_and_replay(s)
 
 
 def test_refusals_change_nothing(tmp_path: Path) -> None:
@@ -177,9 +184,7 @@ def test_a_frontier_per_pool_keeps_each_pools_own_prefix(tmp_path: Path) -> None
     gone = s.release_tail(zero, {"main": P - 1, draft: 0})  # nothing kept: a plain release
     step(s)
     assert gone is None and zero not in s.state.bundles
-    s.close()
-    r = replay(str(tmp_path / "journal"), verify_every=1)
-    assert r.digest == s.digest() and not r.violations
+    close_and_replay(s)
 
 
 def test_a_frontier_per_pool_is_refused_whole(tmp_path: Path) -> None:
@@ -242,6 +247,4 @@ def test_any_frontier_per_pool_keeps_exactly_its_whole_pages(main: int, draft: i
         step(twin)
         assert twin.digest() == stores[1].digest()
         for s in (*stores, twin):
-            s.close()
-            r = replay(str(Path(s.config.journal_dir)), verify_every=1)
-            assert r.digest == s.digest() and not r.violations
+            close_and_replay(s)
