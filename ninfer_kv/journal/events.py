@@ -220,7 +220,9 @@ class Prefix(_Event, tag="pfx"):
     """New inactive checkpoint ``dst`` holds the first ``full_pages`` (fully committed) pages
     of inactive checkpoint ``src``: an immutable prefix of an immutable checkpoint (§8.3,
     §9.2). With ``Release(src)`` in the same record it gives up ``src``'s tail pages
-    (``KVStore.release_tail``), as a retention policy evicts a cached request tail first."""
+    (``KVStore.release_tail``), as a retention policy evicts a cached request tail first.
+    One per pool of ``src``; with a frontier per pool their counts differ, and a pool may
+    keep 0 pages (an empty space) while another keeps some."""
 
     src: int
     dst: int
