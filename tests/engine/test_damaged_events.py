@@ -280,3 +280,17 @@ def test_replay_names_the_failing_event_of_a_record(tmp_path: Path, verify: int)
     with pytest.raises(UnappliableRecord, match=f"record {seq} event 1 \\(Trim\\)") as got:
         replay(str(tmp_path / "journal"), verify_every=verify)
     assert (got.value.seq, got.value.index) == (seq, 1)
+
+
+def test_an_unpin_of_a_dead_page_is_refused_unchanged(world: Any) -> None:
+    """A copy pin recorded on a slot whose page is gone (a damaged state: a pinned page is
+    never freed) is not unpinned into a negative count on a dead slot."""
+    s, _, _ = world
+    st = copy.deepcopy(s.state)
+    p = st.pools["main"]
+    dead = next(i for i in range(p.n_slots) if not p.pg_live[i])
+    st.copy_pins[("main", dead)] = 1
+    before = fingerprint(st)
+    with pytest.raises(AssertionError, match=rf"Unpin of main: slots \[{dead}\] hold no page"):
+        apply(st, ev.Unpin("main", pack([dead])))
+    assert fingerprint(st) == before
