@@ -105,13 +105,6 @@ def same_length(**batches: Sequence[Any]) -> int:
     return lengths[0] if lengths else 0
 
 
-def no_duplicates(name: str, values: Sequence[int]) -> None:
-    if len(set(values)) != len(values):
-        seen: set[int] = set()
-        dup = sorted({v for v in values if v in seen or seen.add(v)})  # type: ignore[func-returns-value]
-        raise InvalidArgument(f"{name}: {dup} appear more than once in one batched command")
-
-
 def one_of(name: str, value: Any, allowed: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise InvalidArgument(f"{name}={value!r}: must be one of {', '.join(allowed)}")

@@ -246,6 +246,10 @@ def test_batched_and_single_arguments_outside_64_bits_or_twice_are_typed_refusal
          lambda: s.ensure_mapped(a, "main", 2 ** 70)),
         (InvalidArgument, "frontier: .* does not fit in 64 bits",
          lambda: s.commit(a, "main", -2 ** 64)),
+        (InvalidArgument, "seq: .* does not fit in 64 bits",
+         lambda: s.commit(2 ** 70, "main", 10)),
+        (InvalidArgument, "seq: .* does not fit in 64 bits",
+         lambda: s.ensure_mapped(-2 ** 63 - 1, "main", 10)),
         (InvalidArgument, r"seqs: \[\d+\] appear more than once",
          lambda: s.set_provisional_many("main", [a, a], [10, 20])),
     ])
