@@ -98,3 +98,23 @@ def test_plan_without_releases_is_sequential_best_fit(history, sizes, seed) -> N
     assert (dict(a.by_off), list(a.by_size), dict(a.live), a.free_bytes, a.live_bytes) == before
     assert planned == execute(a, [], sizes)
     assert not a.violations()
+
+
+def test_violations_names_each_damage() -> None:
+    """Each rule of ``ExtentAllocator.violations`` reports its own damage (and only a
+    damaged arena is reported)."""
+    def damaged(hurt) -> list[str]:  # noqa: ANN001
+        a = ExtentAllocator(CAP)
+        a.allocate(0, 2 * ALIGN)
+        assert not a.violations()
+        hurt(a)
+        return a.violations()
+
+    totals = damaged(lambda a: setattr(a, "live_total", a.live_total + ALIGN))
+    assert totals == [f"host arena: running totals free {CAP - 2 * ALIGN} / live "
+                      f"{3 * ALIGN} B, extents sum to {CAP - 2 * ALIGN} / {2 * ALIGN} B"]
+    free = damaged(lambda a: setattr(a, "free_total", 0))
+    assert len(free) == 1 and "running totals free 0 " in free[0]
+    gap = damaged(lambda a: a.live.update({0: ALIGN}))  # a live extent shrunk: a gap after it
+    assert f"host arena: gap or overlap at {ALIGN} (next free extent at {2 * ALIGN})" in gap
+    assert "host arena: free + live != capacity" in gap
