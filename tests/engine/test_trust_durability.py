@@ -236,19 +236,43 @@ def test_a_journal_without_its_first_segment_is_refused_typed(tmp_path: Path) ->
 
 
 # --- 15. a closed store refuses everything --------------------------------------------------------
+# What a closed store still answers: its final in-memory state, read only (no I/O, no device
+# memory). Everything else -- every command, the boundary, the views into device memory and
+# the checkpoint queries -- refuses with StoreClosed. A new public method must be listed.
+ANSWERS_WHEN_CLOSED = {"active", "checkpoints", "digest", "occupancy", "space", "handles", "page",
+                       "check_invariants", "violations", "metrics", "entitlement_pages",
+                       "unit_complete", "close", "closed", "failed", "pools", "open"}
+
+
 def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
     s = KVStore.open(small_config(tmp_path))
     a = s.activate(64, 10)
     ck = checkpoint_at(s, 64)
     s.close()
     s.close()  # idempotent
-    for call in (lambda: s.activate(10, 10), lambda: s.ensure_mapped(a, "main", 64),
-                 lambda: s.commit(a, "main", 1), lambda: s.finish(a), lambda: s.release(ck),
-                 lambda: s.activate_from(ck, 10, 10, 10), lambda: s.close_boundary(),
-                 lambda: s.snapshot(), lambda: s.batch_view("main", 0),
-                 lambda: s.table_rows("main", [a]), lambda: s.grow()):
-        with pytest.raises(StoreClosed):
-            call()
+    refused = {
+        "activate": (10, 10), "activate_from": (ck, 10, 10, 10), "batch_view": ("main", 0),
+        "boundary": (), "checkpoint_info": (ck,), "close_boundary": (), "commit": (a, "main", 1),
+        "commit_many": ("main", [a], [1]), "compact": (), "drop_device": (ck,),
+        "drop_host": (ck,), "ensure_mapped": (a, "main", 64),
+        "ensure_mapped_many": ("main", [a], [64]), "finish": (a,), "fork_live": (a, 10),
+        "grow": (), "layer_view": (a, "main", 0), "offload": (ck,), "reclaimable": ([ck],),
+        "release": (ck,), "release_tail": (ck, 0), "set_metadata": (ck, None),
+        "set_provisional": (a, "main", 1), "set_provisional_many": ("main", [a], [1]),
+        "share_prefix": (a,), "snapshot": (), "sole_device_pages": (ck,),
+        "table_rows": ("main", [a]), "trim": (a, "main"), "truncate": (a, "main", 0)}
+    public = {n for n in dir(KVStore) if not n.startswith("_")}
+    assert public == set(refused) | ANSWERS_WHEN_CLOSED, \
+        sorted(public ^ (set(refused) | ANSWERS_WHEN_CLOSED))
+    for name, args in refused.items():
+        said = {"boundary": "close_boundary", "commit_many": "commit", "layer_view": "batch_view",
+                "ensure_mapped_many": "ensure_mapped",
+                "set_provisional_many": "set_provisional"}.get(name, name)  # one check, two doors
+        with pytest.raises(StoreClosed, match=f"^{said} refused: the store is closed"):
+            result = getattr(s, name)(*args)
+            if name == "boundary":  # a context manager: refused when entered
+                result.__enter__()
+    assert s.digest() and s.checkpoints() == [ck]  # the final state still reads
 
 
 # --- 16. file modes, symlinks, temp files ---------------------------------------------------------------
