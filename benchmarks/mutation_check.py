@@ -2,7 +2,7 @@
 tests that should notice. A rule whose removal no test notices is a test gap (or an equivalent
 mutant, listed with its reason in ``EQUIVALENT``).
 
-    .venv/bin/python benchmarks/mutation_check.py                    # everything (~1 h, 2 cores)
+    .venv/bin/python benchmarks/mutation_check.py                    # everything (~1.5 h, 2 cores)
     .venv/bin/python benchmarks/mutation_check.py --list             # the mutants, no run
     .venv/bin/python benchmarks/mutation_check.py --module engine/host.py --kind filter
     .venv/bin/python benchmarks/mutation_check.py --match commit_many --no-tier2 -v
