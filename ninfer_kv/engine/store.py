@@ -235,9 +235,9 @@ class KVStore(StoreCore):
         """Give up the pages of inactive ``checkpoint`` above its first ``frontier // P``
         whole pages (``frontier``: one int, or one per pool): a new checkpoint holds those
         (returned; ``None`` when no pool keeps a whole page) and ``checkpoint`` is released,
-        in one record. A page frees with its last
-        reference (§8.3); the prefix stays continuable — vLLM frees a cached request's blocks
-        tail first for the same reason. Metadata is not carried over (``set_metadata``)."""
+        in one record. A page frees with its last reference (§8.3); the prefix stays
+        continuable — vLLM frees a cached request's blocks tail first for the same reason.
+        Metadata is not carried over (``set_metadata``)."""
         self._usable("release_tail")
         return continuation.release_tail(self, checkpoint, frontier)
 
