@@ -235,7 +235,7 @@ def test_a_journal_without_its_first_segment_is_refused_typed(tmp_path: Path) ->
         KVStore.open(s.config)
 
 
-# --- 15. a closed store refuses everything --------------------------------------------------------
+# --- 15. a closed store refuses every command; it still reads its final state ---------------------
 # What a closed store still answers: its final in-memory state, read only (no I/O, no device
 # memory). Everything else -- every command, the boundary, the views into device memory and
 # the checkpoint queries -- refuses with StoreClosed. A new public method must be listed.
