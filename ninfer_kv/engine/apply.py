@@ -166,13 +166,15 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
     assert sp.active and sp.protected <= f <= sp.committed, \
         f"Truncate of seq {e.bundle} to {f}: outside [protected {sp.protected}, committed " \
         f"{sp.committed}] of an active space (§8.2)"
-    for b in range(f // P, (sp.committed + P - 1) // P):
-        page = pool.pages[sp.member(b)]
-        assert page is not None
-        cols = max(0, f - b * P)
-        if cols < page.committed:
-            page.committed = cols
-            page.epoch += 1  # the canonical content of these columns may now change
+    first = f // P  # the blocks from the one holding f to the committed frontier's
+    cut = members_of(pool, sp)[first:(sp.committed + P - 1) // P]
+    live = pool.pg_live[cut]
+    assert live.all(), f"Truncate of seq {e.bundle}: block {first + int(np.argmin(live))} " \
+        "holds no live page (a membership holds live pages only, §14)"
+    cols = f - P * np.arange(first, first + len(cut), dtype=I64)  # columns kept, < P
+    lower = pool.pg_committed[cut] > cols
+    pool.pg_committed[cut[lower]] = cols[lower].clip(0)
+    pool.pg_epoch[cut[lower]] += 1  # the canonical content of these columns may now change
     sp.committed = f
     sp.provisional = min(sp.provisional, f)
 
@@ -182,8 +184,9 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     sp = pool.spaces[e.bundle]
     assert e.keep >= 0 and e.keep * P >= sp.committed, \
         f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
-    dropped = sp.trim_members(e.keep)
-    unref(st, pool, dropped, e.bundle, sp.active)
+    dropped = members_of(pool, sp)[e.keep:]
+    unref(st, pool, dropped, e.bundle, sp.active)  # refuses a damaged membership first
+    sp.trim_members(e.keep)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
 
@@ -204,6 +207,12 @@ def _grow(st: StoreState, e: ev.Grow) -> None:
 def _finish(st: StoreState, e: ev.Finish) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
+    slots = members_of(pool, sp)
+    if e.retain:
+        assert pool.pg_live[slots].all(), f"Finish of seq {e.bundle}: a dead page in its " \
+            "membership (§14)"
+    else:
+        unref(st, pool, slots, e.bundle, True)  # first: it refuses a damaged membership
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
     del pool.row_owner[sp.row]
     pool.free_rows.add(sp.row)
@@ -213,14 +222,12 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle = st.bundles[e.bundle]
     bundle.active = False
     bundle.finish_reason = e.reason
-    slots = members_of(pool, sp)
     if e.retain:
         ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
                         pool.pg_protected)  # protected coverage only grows
         sp.protected = sp.committed
         sp.provisional = 0
     else:
-        unref(st, pool, slots, e.bundle, True)
         _drop_space(st, pool, e.bundle)
 
 
@@ -250,9 +257,9 @@ def _move(st: StoreState, e: ev.Move) -> None:
         "prefix into an empty destination"
     keep = (e.frontier + P - 1) // P
     members = members_of(pool, src)
-    unref(st, pool, members[keep:], e.src, False)
     kept = members[:keep]
     assert pool.pg_live[kept].all(), f"Move of {e.src}: a dead page in its membership"
+    unref(st, pool, members[keep:], e.src, False)  # the pages past the frontier
     dst.members = kept
     pool.pg_active[kept] += 1
     pool.pg_protected[kept] = 0

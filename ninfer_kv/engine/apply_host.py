@@ -87,13 +87,15 @@ def host_publish(st: StoreState, e: ev.HostPublish) -> None:
 
 
 def host_abort(st: StoreState, e: ev.HostAbort) -> None:
-    pool_name, slots, offsets = st.host_pending.pop(e.offset)
+    """The pending transfer at ``e.offset`` is given up: its extents are freed and its pages
+    unpinned. Its pages are live (the transfer pins them) — checked before anything changes."""
+    pool_name, slots, offsets = st.host_pending[e.offset]
     pool = st.pools[pool_name]
+    _live(pool, list(slots), "HostAbort")
+    del st.host_pending[e.offset]
     for slot, off in zip(slots, offsets, strict=True):
         st.host.free(off)  # type: ignore[union-attr]
-        page = pool.pages[slot]
-        assert page is not None
-        page.pins -= 1
+        pool.pg_pins[slot] -= 1
     collect(st, pool, np.asarray(slots, I64))
 
 

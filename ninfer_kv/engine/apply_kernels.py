@@ -223,10 +223,16 @@ def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, act
 
 
 @njit(nogil=True)
-def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_refs: np.ndarray,
-                pg_active: np.ndarray, pg_writer: np.ndarray) -> None:
+def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_live: np.ndarray,
+                pg_refs: np.ndarray, pg_active: np.ndarray, pg_writer: np.ndarray) -> int:
     """A space drops its references to ``slots`` (an active space also its writer right):
-    ``unref``'s counting half, a slot listed twice counted twice."""
+    ``unref``'s counting half, a slot listed twice counted twice. Checked first: every slot a
+    live page holding a reference (a membership holds live pages only, §14) — else the first
+    bad index, nothing changed; -1 when done."""
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        if s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_refs[s] <= 0:
+            return j
     for j in range(slots.shape[0]):
         s = slots[j]
         pg_refs[s] -= 1
@@ -234,6 +240,7 @@ def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_refs: np.ndarra
             pg_active[s] -= 1
             if pg_writer[s] == bundle:
                 pg_writer[s] = -1
+    return -1
 
 
 @njit(nogil=True)

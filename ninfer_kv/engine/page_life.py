@@ -47,9 +47,15 @@ def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
 def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle: int,
            active: bool) -> None:
     """``bundle``'s space drops its references to ``slots`` (an active space also its
-    writer right); pages left without references are collected."""
+    writer right); pages left without references are collected. A slot that is no live,
+    referenced page is a damaged state: ``ValueError``, nothing changed — the handlers call
+    this before their other changes, so the whole event is refused."""
     slots = np.asarray(slots, I64)
-    ak.unref_slots(slots, bundle, active, pool.pg_refs, pool.pg_active, pool.pg_writer)
+    j = ak.unref_slots(slots, bundle, active, pool.pg_live, pool.pg_refs, pool.pg_active,
+                       pool.pg_writer)
+    if j >= 0:
+        raise ValueError(f"{pool.name}: seq {bundle} drops slot {int(slots[j])}, which is no "
+                         "live page it references (a membership holds live pages only, §14)")
     collect(st, pool, slots)
 
 
