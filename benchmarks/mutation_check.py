@@ -216,10 +216,6 @@ EQUIVALENT: dict[str, str] = {
         "a pending transfer pins its pages (HostReserve), so they stay live until it ends",
     'engine/apply_host.py:host_drop:assert:"page is not None and page.host is not None"':
         "the whole-event check above refused dead slots, repeats and slots with no replica",
-    'engine/apply_host.py:device_drop:assert:"page is not None and page.device != NO_PAGE and…"':
-        "the whole-event check above refused dead slots, repeats and pages not on both tiers",
-    'engine/apply_host.py:device_restore:assert:"page is not None and page.device == NO_PAGE"':
-        "the whole-event check above refused dead slots, repeats and pages on the device",
     'engine/apply_host.py:host_reserve:assert:"HostReserve at {}: one is pending"':
         "the pending transfer's extent is live: the allocator refuses it and the event is undone",
     'engine/apply_kernels.py:append_members:assert:"0 <= sp_nmem[i] < sp_members.shape[1]"':

@@ -207,6 +207,8 @@ def _grow(st: StoreState, e: ev.Grow) -> None:
 def _finish(st: StoreState, e: ev.Finish) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
+    assert pool.row_owner.get(sp.row) == e.bundle and sp.row not in pool.free_rows, \
+        f"Finish of seq {e.bundle}: its row {sp.row} is not leased to it"
     slots = members_of(pool, sp)
     if e.retain:
         assert pool.pg_live[slots].all(), f"Finish of seq {e.bundle}: a dead page in its " \

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 
 from ninfer_kv.engine.host_arena import ExtentAllocator
-from ninfer_kv.engine.page_life import I64, collect
+from ninfer_kv.engine.page_life import I64, collect, collectable
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -73,6 +73,7 @@ def host_publish(st: StoreState, e: ev.HostPublish) -> None:
     old = [h[0] for h in map(pool.host_of.get, slots) if h is not None]
     bad = [o for o in (*offsets, *old) if o not in live]
     assert not bad, f"HostPublish at {e.offset}: extents {bad[:4]} are not allocated"
+    collectable(st, pool, np.asarray(slots, I64), "HostPublish of")
     del st.host_pending[e.offset]
     for i, (slot, ep, cov, crc) in enumerate(zip(
             slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
@@ -92,6 +93,9 @@ def host_abort(st: StoreState, e: ev.HostAbort) -> None:
     pool_name, slots, offsets = st.host_pending[e.offset]
     pool = st.pools[pool_name]
     _live(pool, list(slots), "HostAbort")
+    bad = [o for o in offsets if o not in st.host.live]  # type: ignore[union-attr]
+    assert not bad, f"HostAbort at {e.offset}: extents {bad[:4]} are not allocated"
+    collectable(st, pool, np.asarray(slots, I64), "HostAbort of")
     del st.host_pending[e.offset]
     for slot, off in zip(slots, offsets, strict=True):
         st.host.free(off)  # type: ignore[union-attr]
@@ -106,6 +110,7 @@ def host_drop(st: StoreState, e: ev.HostDrop) -> None:
     _live(pool, sl, "HostDrop")
     assert len(set(sl)) == len(sl) and all(s in pool.host_of for s in sl), \
         f"HostDrop of {e.pool}: slots {sl[:4]} repeat or hold no host replica"
+    collectable(st, pool, slots.astype(I64), "HostDrop of")
     for slot in sl:
         page = pool.pages[slot]
         assert page is not None and page.host is not None
@@ -121,11 +126,8 @@ def device_drop(st: StoreState, e: ev.DeviceDrop) -> None:
     assert len(set(sl)) == len(sl) and all(
         pool.pg_device[s] != NO_PAGE and s in pool.host_of for s in sl), \
         f"DeviceDrop of {e.pool}: slots {sl[:4]} repeat, or one is not on both tiers"
-    for slot in sl:
-        page = pool.pages[slot]
-        assert page is not None and page.device != NO_PAGE and page.host is not None
-        pool.free_pages.give([page.device])
-        page.device = NO_PAGE
+    pool.free_pages.give(pool.pg_device[sl])  # refused whole if a page group is free already
+    pool.pg_device[sl] = NO_PAGE
 
 
 def device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
@@ -137,11 +139,8 @@ def device_restore(st: StoreState, e: ev.DeviceRestore) -> None:
         f"DeviceRestore of {e.pool}: slots {sl[:4]} repeat, or one is on the device"
     assert len(set(devs)) == len(devs) and all(d in pool.free_pages for d in devs), \
         f"DeviceRestore of {e.pool}: page groups {devs[:4]} repeat or are not free"
-    for slot, dev in zip(sl, devs, strict=True):
-        page = pool.pages[slot]
-        assert page is not None and page.device == NO_PAGE
-        pool.free_pages.take([dev])
-        page.device = dev
+    pool.free_pages.take(devs)
+    pool.pg_device[sl] = devs
 
 
 def pin(st: StoreState, e: ev.Pin) -> None:
@@ -163,6 +162,7 @@ def unpin(st: StoreState, e: ev.Unpin) -> None:
     assert not over, f"Unpin of {e.pool}: slots {over[:4]} unpinned more often than pinned"
     dead = [s for s in counts if pool.pages[s] is None]  # IndexError past the slots
     assert not dead, f"Unpin of {e.pool}: slots {dead[:4]} hold no page"
+    collectable(st, pool, np.fromiter(counts, I64, len(counts)), "Unpin of")
     pins = pool.pg_pins
     for slot, k in counts.items():
         key = (e.pool, slot)

@@ -224,23 +224,56 @@ def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, act
 
 @njit(nogil=True)
 def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_live: np.ndarray,
-                pg_refs: np.ndarray, pg_active: np.ndarray, pg_writer: np.ndarray) -> int:
+                pg_refs: np.ndarray, pg_active: np.ndarray, pg_writer: np.ndarray,
+                pg_pins: np.ndarray, pg_device: np.ndarray, page_bits: np.ndarray,
+                slot_bits: np.ndarray) -> int:
     """A space drops its references to ``slots`` (an active space also its writer right):
-    ``unref``'s counting half, a slot listed twice counted twice. Checked first: every slot a
-    live page holding a reference (a membership holds live pages only, §14) — else the first
-    bad index, nothing changed; -1 when done."""
+    ``unref``'s counting half, a slot listed twice counted twice. Refused whole (the first
+    bad index returned, nothing changed; -1 when done) unless every slot is a live page
+    holding a reference (a membership holds live pages only, §14) and every page left
+    without references or pins can be freed (``freeable``: ``collect`` then cannot fail)."""
     for j in range(slots.shape[0]):
         s = slots[j]
         if s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_refs[s] <= 0:
             return j
     for j in range(slots.shape[0]):
+        pg_refs[slots[j]] -= 1
+    for j in range(slots.shape[0]):
         s = slots[j]
-        pg_refs[s] -= 1
+        if pg_refs[s] < 0 or (pg_refs[s] == 0 and pg_pins[s] == 0
+                              and not freeable(s, pg_live, pg_device, page_bits, slot_bits)):
+            for k in range(slots.shape[0]):  # undone: the counts as they were
+                pg_refs[slots[k]] += 1
+            return j
+    for j in range(slots.shape[0]):
+        s = slots[j]
         if active:
             pg_active[s] -= 1
             if pg_writer[s] == bundle:
                 pg_writer[s] = -1
     return -1
+
+
+@njit(nogil=True)
+def first_unfreeable(slots: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
+                     page_bits: np.ndarray, slot_bits: np.ndarray) -> int:
+    """The first index of ``slots`` that is not ``freeable``, or -1."""
+    for j in range(slots.shape[0]):
+        if not freeable(slots[j], pg_live, pg_device, page_bits, slot_bits):
+            return j
+    return -1
+
+
+@njit(nogil=True)
+def freeable(s: int, pg_live: np.ndarray, pg_device: np.ndarray, page_bits: np.ndarray,
+             slot_bits: np.ndarray) -> bool:
+    """Slot ``s`` is a live page whose slot and device page group (if any) are leased, so
+    garbage collection can give both back (§5.3)."""
+    if s < 0 or s >= slot_bits.shape[0] or s >= pg_live.shape[0] or not pg_live[s] \
+            or slot_bits[s]:
+        return False
+    d = pg_device[s]
+    return d == -1 or (0 <= d < page_bits.shape[0] and not page_bits[d])
 
 
 @njit(nogil=True)
@@ -253,11 +286,7 @@ def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
     the first bad index and nothing changed. Returns (-1, page groups freed, lowest page
     group freed or -1, lowest slot)."""
     for j in range(dead.shape[0]):
-        s = dead[j]
-        d = pg_device[s]
-        if not pg_live[s] or s >= slot_bits.shape[0] or slot_bits[s]:
-            return j, 0, 0, 0
-        if d != -1 and (d < 0 or d >= page_bits.shape[0] or page_bits[d]):
+        if not freeable(dead[j], pg_live, pg_device, page_bits, slot_bits):
             return j, 0, 0, 0
     freed = 0
     low = -1

@@ -48,15 +48,48 @@ def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle
            active: bool) -> None:
     """``bundle``'s space drops its references to ``slots`` (an active space also its
     writer right); pages left without references are collected. A slot that is no live,
-    referenced page is a damaged state: ``ValueError``, nothing changed — the handlers call
-    this before their other changes, so the whole event is refused."""
+    referenced page, or a garbage page whose slot or page group is free already, is a
+    damaged state: ``ValueError``, nothing changed — the handlers call this before their
+    other changes, so the whole event is refused."""
     slots = np.asarray(slots, I64)
+    if pool.host_of:
+        host_extents_live(st, pool, slots, f"seq {bundle} drops")
     j = ak.unref_slots(slots, bundle, active, pool.pg_live, pool.pg_refs, pool.pg_active,
-                       pool.pg_writer)
+                       pool.pg_writer, pool.pg_pins, pool.pg_device, pool.free_pages.bits,
+                       pool.free_slots.bits)
     if j >= 0:
         raise ValueError(f"{pool.name}: seq {bundle} drops slot {int(slots[j])}, which is no "
-                         "live page it references (a membership holds live pages only, §14)")
+                         "live page it references, or whose slot or page group is free "
+                         "already (§14)")
     collect(st, pool, slots)
+
+
+def collectable(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -> None:
+    """Each of ``slots`` could be collected: a live page whose slot and page group are
+    leased, its host replica (if any) in a live extent — so a ``collect`` after the caller's
+    changes cannot fail half way. Else (a damaged state) ``ValueError``; called before a
+    handler changes anything."""
+    j = ak.first_unfreeable(slots, pool.pg_live, pool.pg_device, pool.free_pages.bits,
+                            pool.free_slots.bits)
+    if j >= 0:
+        raise ValueError(f"{pool.name}: {what} slot {int(slots[j])}: not live, or its slot or "
+                         f"page group {int(pool.pg_device[slots[j]])} is free already (§5.3)")
+    if pool.host_of:
+        host_extents_live(st, pool, slots, what)
+
+
+def host_extents_live(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -> None:
+    """The host replicas of ``slots`` lie in live extents of the arena, so ``collect`` can
+    free them; else (a damaged state) ``ValueError`` naming the slot — checked before a
+    handler changes anything."""
+    offs = pool.pg_host_off[slots]
+    have = offs >= 0
+    if have.any():
+        live = st.host.live  # type: ignore[union-attr]
+        for s, off in zip(slots[have].tolist(), offs[have].tolist(), strict=True):
+            if off not in live:
+                raise ValueError(f"{pool.name}: {what} slot {s}, whose host replica at "
+                                 f"{off} is no live extent of the arena (§5.3)")
 
 
 def members_of(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
