@@ -185,7 +185,7 @@ DAMAGES: dict[str, Callable[[StoreState, int, int], None]] = {
 
 def test_a_refusal_on_a_damaged_state_changes_nothing(world: Any) -> None:
     """Every case, every damage, every page of ``ck`` and ``a`` as its target (and their two
-    spaces, alternately): exhaustive, about 2,500 combinations."""
+    spaces, alternately): exhaustive, cases x damages x 7 targets (3,591 today, ~2 s)."""
     s, ck, a = world
     failures = []
     for name in CASES:
