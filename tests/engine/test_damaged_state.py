@@ -160,6 +160,24 @@ def _row_owner_lost(st: StoreState, slot: int, i: int) -> None:
     p.row_owner.pop(int(p.sp_row[i]), None)
 
 
+def _member_swapped(st: StoreState, slot: int, i: int) -> None:
+    """The space's first block points at ``slot`` (another space's page, or a repeat)."""
+    p = st.pools["main"]
+    if p.sp_nmem[i]:
+        p.sp_members[i, 0] = slot
+
+
+def _index_lost(st: StoreState, slot: int, i: int) -> None:
+    p = st.pools["main"]
+    b = int(p.sp_bundle[i])
+    if b >= 0:
+        p.bundle_index[b] = -1
+
+
+def _copy_pin_lost(st: StoreState, slot: int, i: int) -> None:
+    st.copy_pins.pop(("main", slot), None)
+
+
 DAMAGES: dict[str, Callable[[StoreState, int, int], None]] = {
     "page dead": _set("pg_live", False),
     "reference lost": _add("pg_refs", -1),
@@ -180,12 +198,17 @@ DAMAGES: dict[str, Callable[[StoreState, int, int], None]] = {
     "space active": _set("sp_active", True),
     "committed frontier lowered": _add("sp_committed", -1),
     "membership shortened": _add("sp_nmem", -1),
+    "membership pointing elsewhere": _member_swapped,
+    "bundle index lost": _index_lost,
+    "copy pin forgotten": _copy_pin_lost,
+    "generation advanced": _add("pg_gen", 1),
+    "entitlement lowered": _add("sp_entitlement", -3),
 }
 
 
 def test_a_refusal_on_a_damaged_state_changes_nothing(world: Any) -> None:
     """Every case, every damage, every page of ``ck`` and ``a`` as its target (and their two
-    spaces, alternately): exhaustive, cases x damages x 7 targets (3,591 today, ~2 s)."""
+    spaces, alternately): exhaustive, cases x damages x 7 targets (4,536 today, ~2 s)."""
     s, ck, a = world
     failures = []
     for name in CASES:
