@@ -238,9 +238,6 @@ EQUIVALENT: dict[str, str] = {
     "engine/restart.py:recover_cleanup:filter:not x.active -> True":
         "every active bundle was just aborted by Finish(retain=False), which deletes it, before "
         "this generator runs",
-    "engine/decode.py:writable:filter:pg.protected <= first_column -> True":
-        "pg.writer == bundle implies pg.protected == 0: protected only rises in Finish(retain), "
-        "which clears the writer in the same loop, and Move resets protected to 0",
     "engine/host.py:verify_checkpoint:recovery:arena is None -> False":
         "reached only when every page has a host replica, i.e. the journal has a HostConfigure, "
         "and opening refuses a config whose host_bytes differs from the journal's",
