@@ -166,14 +166,16 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
     assert sp.active and sp.protected <= f <= sp.committed, \
         f"Truncate of seq {e.bundle} to {f}: outside [protected {sp.protected}, committed " \
         f"{sp.committed}] of an active space (§8.2)"
-    first = f // P  # the blocks from the one holding f to the committed frontier's
-    cut = members_of(pool, sp)[first:(sp.committed + P - 1) // P]
+    first, end = f // P, (sp.committed + P - 1) // P  # blocks from f's to the frontier's
+    cut = members_of(pool, sp)[first:end]
+    assert len(cut) == end - first, f"Truncate of seq {e.bundle}: a membership of " \
+        f"{sp.nmem} pages, short of its committed frontier {sp.committed} (§14)"
     live = pool.pg_live[cut]
     assert live.all(), f"Truncate of seq {e.bundle}: block {first + int(np.argmin(live))} " \
         "holds no live page (a membership holds live pages only, §14)"
-    cols = f - P * np.arange(first, first + len(cut), dtype=I64)  # columns kept, < P
+    cols = (f - P * np.arange(first, end, dtype=I64)).clip(0)  # columns each page keeps
     lower = pool.pg_committed[cut] > cols
-    pool.pg_committed[cut[lower]] = cols[lower].clip(0)
+    pool.pg_committed[cut[lower]] = cols[lower]
     pool.pg_epoch[cut[lower]] += 1  # the canonical content of these columns may now change
     sp.committed = f
     sp.provisional = min(sp.provisional, f)
@@ -184,7 +186,10 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     sp = pool.spaces[e.bundle]
     assert e.keep >= 0 and e.keep * P >= sp.committed, \
         f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
-    dropped = members_of(pool, sp)[e.keep:]
+    members = members_of(pool, sp)
+    assert not ak.has_repeat(members), f"Trim of seq {e.bundle}: its membership repeats a " \
+        "page (§14)"
+    dropped = members[e.keep:]
     unref(st, pool, dropped, e.bundle, sp.active)  # refuses a damaged membership first
     sp.trim_members(e.keep)
     if sp.active:
@@ -204,9 +209,18 @@ def _grow(st: StoreState, e: ev.Grow) -> None:
     pool.reserved += added
 
 
+def _bundle(st: StoreState, bundle: int, what: str) -> SequenceKVBundle:
+    """The bundle of a space an event names, looked up before the handler changes anything
+    (a space without its bundle is a damaged state, §7.1)."""
+    b = st.bundles.get(bundle)
+    assert b is not None, f"{what}: seq {bundle} has a space but no bundle (§7.1)"
+    return b
+
+
 def _finish(st: StoreState, e: ev.Finish) -> None:
     pool = st.pools[e.pool]
     sp = pool.spaces[e.bundle]
+    bundle = _bundle(st, e.bundle, "Finish")
     assert pool.row_owner.get(sp.row) == e.bundle and sp.row not in pool.free_rows, \
         f"Finish of seq {e.bundle}: its row {sp.row} is not leased to it"
     slots = members_of(pool, sp)
@@ -221,7 +235,6 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     sp.row = NO_ROW
     sp.active = False
     sp.entitlement = 0
-    bundle = st.bundles[e.bundle]
     bundle.active = False
     bundle.finish_reason = e.reason
     if e.retain:
@@ -244,6 +257,7 @@ def _drop_space(st: StoreState, pool: PoolState, bundle: int) -> None:
 def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
     assert not pool.spaces[e.bundle].active, f"Release of seq {e.bundle}: it is active (Finish)"
+    _bundle(st, e.bundle, "Release")
     unref(st, pool, members_of(pool, pool.spaces[e.bundle]), e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
@@ -257,8 +271,11 @@ def _move(st: StoreState, e: ev.Move) -> None:
     assert not src.active and 0 <= e.frontier <= src.committed and dst.nmem == 0, \
         f"Move of {e.src} to {e.dst} at {e.frontier}: not an inactive source's committed " \
         "prefix into an empty destination"
+    _bundle(st, e.src, "Move")
+    _bundle(st, e.dst, "Move")
     keep = (e.frontier + P - 1) // P
     members = members_of(pool, src)
+    assert not ak.has_repeat(members), f"Move of {e.src}: its membership repeats a page (§14)"
     kept = members[:keep]
     assert pool.pg_live[kept].all(), f"Move of {e.src}: a dead page in its membership"
     unref(st, pool, members[keep:], e.src, False)  # the pages past the frontier
@@ -283,6 +300,7 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
     """§9.2: the full pages before the frontier gain an immutable reference."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
+    _bundle(st, e.dst, "Fork")
     code = ak.fork_pages(src.i, dst.i, e.full_pages, pool.sp_active, pool.sp_committed,
                          pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
                          pool.pg_active)

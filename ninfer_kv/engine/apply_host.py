@@ -72,7 +72,8 @@ def host_publish(st: StoreState, e: ev.HostPublish) -> None:
     live = st.host.live  # type: ignore[union-attr]
     old = [h[0] for h in map(pool.host_of.get, slots) if h is not None]
     bad = [o for o in (*offsets, *old) if o not in live]
-    assert not bad, f"HostPublish at {e.offset}: extents {bad[:4]} are not allocated"
+    assert not bad and len({*offsets, *old}) == len(offsets) + len(old), \
+        f"HostPublish at {e.offset}: extents {bad[:4]} are not allocated, or one is named twice"
     collectable(st, pool, np.asarray(slots, I64), "HostPublish of")
     del st.host_pending[e.offset]
     for i, (slot, ep, cov, crc) in enumerate(zip(
@@ -94,7 +95,8 @@ def host_abort(st: StoreState, e: ev.HostAbort) -> None:
     pool = st.pools[pool_name]
     _live(pool, list(slots), "HostAbort")
     bad = [o for o in offsets if o not in st.host.live]  # type: ignore[union-attr]
-    assert not bad, f"HostAbort at {e.offset}: extents {bad[:4]} are not allocated"
+    assert not bad and len(set(offsets)) == len(offsets), \
+        f"HostAbort at {e.offset}: extents {bad[:4]} are not allocated, or one is named twice"
     collectable(st, pool, np.asarray(slots, I64), "HostAbort of")
     del st.host_pending[e.offset]
     for slot, off in zip(slots, offsets, strict=True):

@@ -255,6 +255,16 @@ def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_live: np.ndarra
 
 
 @njit(nogil=True)
+def has_repeat(slots: np.ndarray) -> bool:
+    """Whether a slot appears twice in ``slots`` (a membership never repeats a page, §14)."""
+    a = np.sort(slots)
+    for j in range(1, a.shape[0]):
+        if a[j] == a[j - 1]:
+            return True
+    return False
+
+
+@njit(nogil=True)
 def first_unfreeable(slots: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
                      page_bits: np.ndarray, slot_bits: np.ndarray) -> int:
     """The first index of ``slots`` that is not ``freeable``, or -1."""

@@ -79,17 +79,19 @@ def collectable(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -
 
 
 def host_extents_live(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -> None:
-    """The host replicas of ``slots`` lie in live extents of the arena, so ``collect`` can
-    free them; else (a damaged state) ``ValueError`` naming the slot — checked before a
-    handler changes anything."""
+    """The host replicas of ``slots`` lie in live extents of the arena, one extent each, so
+    ``collect`` can free them; else (a damaged state) ``ValueError`` naming the slot —
+    checked before a handler changes anything."""
     offs = pool.pg_host_off[slots]
     have = offs >= 0
     if have.any():
         live = st.host.live  # type: ignore[union-attr]
+        seen: set[int] = set()
         for s, off in zip(slots[have].tolist(), offs[have].tolist(), strict=True):
-            if off not in live:
+            if off not in live or off in seen:
                 raise ValueError(f"{pool.name}: {what} slot {s}, whose host replica at "
-                                 f"{off} is no live extent of the arena (§5.3)")
+                                 f"{off} is no live extent of the arena, or another's (§5.3)")
+            seen.add(off)
 
 
 def members_of(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
