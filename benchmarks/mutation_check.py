@@ -183,7 +183,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
     ("engine/invariant_kernels.py", ["tests/engine/test_invariant_kernels.py", *INCREMENTAL,
                                      *ENGINE], MACHINE),
-    ("engine/apply*.py", ["tests/engine/test_damaged_events.py", "tests/engine/test_round_kernels.py",
+    ("engine/apply*.py", ["tests/engine/test_damaged_events.py",
+                          "tests/engine/test_damaged_state.py", "tests/engine/test_round_kernels.py",
                           "tests/engine/test_apply_materialize.py",
                           "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
@@ -250,20 +251,6 @@ EQUIVALENT: dict[str, str] = {
     '{}"':
         "with no gap or overlap (the first check) the extents end at free + live, so this fires "
         "exactly when 'free + live != capacity' does",
-    'engine/opening.py:_check_matches:raise:ConfigError "journal {} was written for pools {}, '
-    'this config plans {}"':
-        "the pool specs (capacity, rows C, L, page bytes) derive from the plan entries "
-        "geometry_mismatch compares next (C, L, pools' physical_pages and page_bytes), so a "
-        "mismatch is refused there with ConfigError too",
-    'engine/store.py:KVStore.batch_view:raise:InvalidArgument "pool {} has no planes (opened with '
-    'allocate_planes=False)"':
-        "as_int('layer', hi=len(planes) - 1 = -1) then refuses every layer with InvalidArgument",
-    "journal/recovery.py:usable_snapshots:recovery:snap.seq > res.last_seq -> False":
-        "crc_of(seq) is None beyond the valid log, so the CRC-chain check below rejects the same "
-        "snapshots (another reason text)",
-    "journal/recovery.py:usable_snapshots:recovery:snap.seq != seq -> False":
-        "the snapshot is still checked by its header seq against the log's CRC chain and replay "
-        "starts after that seq, so the recovered state is the same; only the skip reasons differ",
 }
 
 PYTEST_OPTS = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]

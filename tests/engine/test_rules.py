@@ -230,6 +230,23 @@ def test_open_refuses_a_symlinked_directory_cuda_without_a_gpu_and_an_unmappable
         host_store(tmp_path)
 
 
+def test_open_names_the_pools_a_journal_was_written_for(tmp_path: Path) -> None:
+    """Another pool set is refused by its own rule, naming both sets (the geometry check
+    after it would refuse too, naming one plan entry)."""
+    KVStore.open(small_config(tmp_path)).close()
+    with pytest.raises(ConfigError, match=r"was written for pools \[.*\], this config plans"):
+        KVStore.open(small_config(tmp_path, pages=128))
+
+
+def test_a_view_of_a_store_without_planes_says_why(tmp_path: Path) -> None:
+    """Not only 'layer 0 out of range': the store was opened without planes."""
+    s = KVStore.open(small_config(tmp_path, allocate_planes=False))
+    with pytest.raises(InvalidArgument,
+                       match=r"pool main has no planes \(opened with allocate_planes=False\)"):
+        s.batch_view("main", 0)
+    s.close()
+
+
 # --- fail-stop of close, snapshot and compaction -----------------------------------------------
 def failing(monkeypatch, target: object, name: str) -> None:  # noqa: ANN001
     def eio(*a, **kw):  # noqa: ANN002, ANN003, ANN202

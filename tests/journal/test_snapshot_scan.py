@@ -23,7 +23,7 @@ from ninfer_kv.journal.format import (
     snapshot_name,
 )
 from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
-from ninfer_kv.journal.recovery import scan, snapshot_segment
+from ninfer_kv.journal.recovery import scan, snapshot_segment, usable_snapshots
 from tests.journal.crashfs import CrashFS
 from tests.journal.test_journal import Counter, D, _apply, _recover, batch, write_log
 
@@ -250,3 +250,21 @@ def test_a_failed_close_when_a_segment_ends_stops_the_journal() -> None:
         j.write_snapshot(msgspec.msgpack.encode(reference(3)))
     with pytest.raises(JournalFailed):
         j.append(batch(4))
+
+
+def test_each_skipped_snapshot_says_which_rule_it_broke() -> None:
+    """Newest first: a snapshot past the log's last record, and a file whose header names
+    another seq than its name (a copy of the snapshot at 40) — each skipped with its own
+    reason, not a later rule's; the snapshot at 40 is the one used."""
+    fs = CrashFS()
+    log_with_snapshot(fs)  # snapshot at 40, records to 80
+    snap40 = fs.read(os.path.join(D, snapshot_name(40)))
+    for seq, body in ((120, pack_snapshot(1, 120, 0, msgspec.msgpack.encode(reference(40)))),
+                      (90, snap40)):
+        f = fs.create(os.path.join(D, snapshot_name(seq)))
+        f.write(body)
+        f.close()
+    got = list(usable_snapshots(D, scan(D, schema_major=1, fs=fs), 1, fs))
+    assert got[:2] == [f"{snapshot_name(120)}: seq 120 beyond the log's last valid record 80",
+                       f"{snapshot_name(90)}: header says seq 40"]
+    assert isinstance(got[2], Snapshot) and got[2].seq == 40 and len(got) == 3
