@@ -224,11 +224,12 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     assert pool.row_owner.get(sp.row) == e.bundle and sp.row not in pool.free_rows, \
         f"Finish of seq {e.bundle}: its row {sp.row} is not leased to it"
     slots = members_of(pool, sp)
-    if e.retain:
-        assert pool.pg_live[slots].all(), f"Finish of seq {e.bundle}: a dead page in its " \
-            "membership (§14)"
+    if e.retain:  # the pages first: both refuse a damaged membership before any change
+        k = ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_live, pool.pg_active,
+                            pool.pg_writer, pool.pg_protected)  # protected only grows
+        assert k < 0, f"Finish of seq {e.bundle}: a dead page in its membership (block {k})"
     else:
-        unref(st, pool, slots, e.bundle, True)  # first: it refuses a damaged membership
+        unref(st, pool, slots, e.bundle, True)
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
     del pool.row_owner[sp.row]
     pool.free_rows.add(sp.row)
@@ -238,8 +239,6 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle.active = False
     bundle.finish_reason = e.reason
     if e.retain:
-        ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
-                        pool.pg_protected)  # protected coverage only grows
         sp.protected = sp.committed
         sp.provisional = 0
     else:

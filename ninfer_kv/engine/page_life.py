@@ -84,14 +84,16 @@ def host_extents_live(st: StoreState, pool: PoolState, slots: np.ndarray, what: 
     checked before a handler changes anything."""
     offs = pool.pg_host_off[slots]
     have = offs >= 0
-    if have.any():
-        live = st.host.live  # type: ignore[union-attr]
-        seen: set[int] = set()
-        for s, off in zip(slots[have].tolist(), offs[have].tolist(), strict=True):
-            if off not in live or off in seen:
-                raise ValueError(f"{pool.name}: {what} slot {s}, whose host replica at "
-                                 f"{off} is no live extent of the arena, or another's (§5.3)")
-            seen.add(off)
+    held = offs[have].tolist()
+    live = st.host.live  # type: ignore[union-attr]
+    if all(map(live.__contains__, held)) and len(set(held)) == len(held):
+        return  # the common case, in C loops; below only names the first bad slot
+    seen: set[int] = set()
+    for s, off in zip(slots[have].tolist(), held, strict=True):
+        if off not in live or off in seen:
+            raise ValueError(f"{pool.name}: {what} slot {s}, whose host replica at {off} is "
+                             "no live extent of the arena, or another's (§5.3)")
+        seen.add(off)
 
 
 def members_of(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:

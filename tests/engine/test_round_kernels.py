@@ -265,17 +265,22 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 7), max_size=10), st.integers(0, 12 * P), st.integers(3, 5),
        st.lists(st.integers(-1, P), min_size=8, max_size=8),
-       st.lists(st.integers(2, 6), min_size=8, max_size=8))
-def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers):
+       st.lists(st.integers(2, 6), min_size=8, max_size=8),
+       st.lists(st.booleans(), min_size=8, max_size=8).map(lambda x: [*x[:7], True]))
+def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers, live):
     """Finish(retain)'s page half against the numpy form it replaced (repeated slots count
-    twice; blocks past the committed frontier keep their coverage)."""
+    twice; blocks past the committed frontier keep their coverage); a membership naming a
+    dead page is refused at its first such block with nothing changed."""
     s = np.array(slots, I64)
     active, writer, prot = np.full(8, 9, I64), np.array(writers, I64), np.array(protected, I64)
     want_active, want_writer, want_prot = active.copy(), writer.copy(), prot.copy()
-    np.subtract.at(want_active, s, 1)
-    want_writer[s[want_writer[s] == bundle]] = -1
-    np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
-    ak.retain_pages(s, bundle, committed, active, writer, prot)
+    dead = [k for k, x in enumerate(slots) if not live[x]]
+    if not dead:
+        np.subtract.at(want_active, s, 1)
+        want_writer[s[want_writer[s] == bundle]] = -1
+        np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
+    got = ak.retain_pages(s, bundle, committed, np.array(live), active, writer, prot)
+    assert got == (dead[0] if dead else -1)
     assert active.tolist() == want_active.tolist()
     assert writer.tolist() == want_writer.tolist()
     assert prot.tolist() == want_prot.tolist()
