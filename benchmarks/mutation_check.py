@@ -213,10 +213,6 @@ EQUIVALENT: dict[str, str] = {
     "engine/invariant_kernels.py:check_slots:filter:s >= refs.shape[0] -> False":
         "PoolMirror.extend keeps n (the slots seen, tested by s >= n_mirror) <= the arrays' "
         "length; it guards the kernel's reads against a mirror built otherwise, not a rule",
-    'engine/apply_host.py:host_publish:assert:"page is not None"':
-        "a pending transfer pins its pages (HostReserve), so they stay live until it ends",
-    'engine/apply_host.py:host_drop:assert:"page is not None and page.host is not None"':
-        "the whole-event check above refused dead slots, repeats and slots with no replica",
     'engine/apply_host.py:host_reserve:assert:"HostReserve at {}: one is pending"':
         "the pending transfer's extent is live: the allocator refuses it and the event is undone",
     'engine/apply_kernels.py:append_members:assert:"0 <= sp_nmem[i] < sp_members.shape[1]"':

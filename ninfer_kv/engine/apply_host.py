@@ -55,7 +55,7 @@ def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
                                  "free host extent (§5.3)") from None
         raise
     for slot in slots:
-        pool.pages[slot].pins += 1  # type: ignore[union-attr]
+        pool.pg_pins[slot] += 1
     st.host_pending[offsets[0]] = (e.pool, tuple(slots), tuple(offsets))
 
 
@@ -76,15 +76,14 @@ def host_publish(st: StoreState, e: ev.HostPublish) -> None:
         f"HostPublish at {e.offset}: extents {bad[:4]} are not allocated, or one is named twice"
     collectable(st, pool, np.asarray(slots, I64), "HostPublish of")
     del st.host_pending[e.offset]
-    for i, (slot, ep, cov, crc) in enumerate(zip(
-            slots, unpack(e.epochs).tolist(), unpack(e.coverage).tolist(),
-            unpack_u32(e.checksums).tolist(), strict=True)):
-        page = pool.pages[slot]
-        assert page is not None
-        if page.host is not None:  # a newer replica replaces the old one
-            st.host.free(page.host[0])  # type: ignore[union-attr]
-        page.host = (offsets[i], ep, cov, crc)
-        page.pins -= 1
+    for slot, off, ep, cov, crc in zip(slots, offsets, unpack(e.epochs).tolist(),
+                                       unpack(e.coverage).tolist(),
+                                       unpack_u32(e.checksums).tolist(), strict=True):
+        was = pool.host_of.get(slot)
+        if was is not None:  # a newer replica replaces the old one
+            st.host.free(was[0])  # type: ignore[union-attr]
+        pool.host_of[slot] = (off, ep, cov, crc)
+        pool.pg_pins[slot] -= 1
     collect(st, pool, np.asarray(slots, I64))
 
 
@@ -114,10 +113,8 @@ def host_drop(st: StoreState, e: ev.HostDrop) -> None:
         f"HostDrop of {e.pool}: slots {sl[:4]} repeat or hold no host replica"
     collectable(st, pool, slots.astype(I64), "HostDrop of")
     for slot in sl:
-        page = pool.pages[slot]
-        assert page is not None and page.host is not None
-        st.host.free(page.host[0])  # type: ignore[union-attr]
-        page.host = None
+        st.host.free(int(pool.pg_host_off[slot]))  # type: ignore[union-attr]
+        del pool.host_of[slot]
     collect(st, pool, slots.astype(I64))
 
 
