@@ -267,9 +267,9 @@ def _move(st: StoreState, e: ev.Move) -> None:
     protected coverage remains; pages past the frontier are released."""
     pool = st.pools[e.pool]
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
-    assert not src.active and 0 <= e.frontier <= src.committed and dst.nmem == 0, \
-        f"Move of {e.src} to {e.dst} at {e.frontier}: not an inactive source's committed " \
-        "prefix into an empty destination"
+    assert not src.active and 0 <= e.frontier <= src.committed and dst.nmem == 0 \
+        and e.src != e.dst, f"Move of {e.src} to {e.dst} at {e.frontier}: not an inactive " \
+        "source's committed prefix into another, empty destination"
     _bundle(st, e.src, "Move")
     _bundle(st, e.dst, "Move")
     keep = (e.frontier + P - 1) // P

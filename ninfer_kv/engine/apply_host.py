@@ -94,7 +94,8 @@ def host_abort(st: StoreState, e: ev.HostAbort) -> None:
     pool = st.pools[pool_name]
     _live(pool, list(slots), "HostAbort")
     bad = [o for o in offsets if o not in st.host.live]  # type: ignore[union-attr]
-    assert not bad and len(set(offsets)) == len(offsets), \
+    old = [h[0] for h in map(pool.host_of.get, slots) if h is not None]
+    assert not bad and len({*offsets, *old}) == len(offsets) + len(old), \
         f"HostAbort at {e.offset}: extents {bad[:4]} are not allocated, or one is named twice"
     collectable(st, pool, np.asarray(slots, I64), "HostAbort of")
     del st.host_pending[e.offset]

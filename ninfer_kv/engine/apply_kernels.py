@@ -429,7 +429,8 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
     if not 0 <= full_pages <= sp_nmem[src_i]:
         return FORK_BAD_COUNT
     for k in range(full_pages):
-        if not pg_live[sp_members[src_i, k]]:
+        s = sp_members[src_i, k]
+        if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:  # read in range only
             return FORK_DEAD_PAGE
     for k in range(full_pages):
         s = sp_members[src_i, k]

@@ -158,6 +158,9 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
             ev.Materialize("main", pack([a]), pack([free_slot]), pack([-1]))],
         "Fork from an active sequence": [
             ev.Activate(nxt, "main", 2, row, 0, 0, 1), ev.Fork(a, nxt, "main", 1, P)],
+        "Move of an empty checkpoint onto itself": [
+            ev.Activate(nxt, "main", 0, row, 10, 0, 0), ev.PublishActive(nxt),
+            ev.Finish(nxt, "main", True, "done"), ev.Move(nxt, nxt, "main", 0)],
     }
 
 # each case's refusal, worded: a refusal that falls through to another rule's message (its
@@ -214,6 +217,7 @@ WORDING = {
     'Provisional past the membership': 'to 257: no active space, or a frontier outside',
     'Materialize without a page group': 'a new page without a page group',
     'Fork from an active sequence': 'not an inactive checkpoint',
+    'Move of an empty checkpoint onto itself': 'into another, empty destination',
 }
 
 
@@ -400,6 +404,21 @@ def _share_extent(st: StoreState, seq: int) -> None:
     p.pg_host_off[s1] = p.pg_host_off[s0]
 
 
+def _replica_on_pending(st: StoreState, seq: int) -> None:
+    """``seq``'s first page's host replica names the extent its pending transfer writes."""
+    p = st.pools["main"]
+    s0 = p.spaces[seq].members[0]
+    pending = next(o for _, ss, oo in st.host_pending.values()
+                   for x, o in zip(ss, oo, strict=True) if x == s0)
+    st.host.free(int(p.pg_host_off[s0]))  # type: ignore[union-attr]
+    p.pg_host_off[s0] = pending
+
+
+def _slot_past_the_arrays(st: StoreState, seq: int) -> None:
+    p = st.pools["main"]
+    p.sp_members[p.spaces[seq].i, 0] = len(p.pg_live) + 5
+
+
 def damaged_cases(st: StoreState, ck: int, a: int
                   ) -> dict[str, tuple[Callable[[StoreState, int], None], int, list[Any], str]]:
     """name -> (damage, the seq it lands on, events, the refusal's words); the damage lands
@@ -439,6 +458,12 @@ def damaged_cases(st: StoreState, ck: int, a: int
         "HostDrop of two pages sharing a host extent": (
             _share_extent, ck, [reserve, publish, ev.HostDrop("main", pack([s0, s1]))],
             "or another's"),
+        "HostAbort of a transfer onto a replica's own extent": (
+            _replica_on_pending, ck, [reserve, publish, again, ev.HostAbort(
+                "main", offs[0] + (2 << 16))], "named twice"),
+        "Fork of a membership naming a slot past the arrays": (
+            _slot_past_the_arrays, ck, [act, ev.Fork(ck, nxt, "main", 2, 2 * P)],
+            "a dead page in its membership"),
         "HostPublish replacing two replicas sharing an extent": (
             _share_extent, ck, [reserve, publish, again, ev.HostPublish(
                 "main", offs[0] + (2 << 16), pack([s0, s1]), pack([0, 0]), pack([P, P]),
@@ -453,7 +478,9 @@ DAMAGED = ["Move of a membership repeating a page", "Trim of a membership repeat
            "Truncate of a membership short of its frontier",
            "Release of two pages sharing a host extent",
            "HostDrop of two pages sharing a host extent",
-           "HostPublish replacing two replicas sharing an extent"]
+           "HostPublish replacing two replicas sharing an extent",
+           "HostAbort of a transfer onto a replica's own extent",
+           "Fork of a membership naming a slot past the arrays"]
 
 
 @pytest.mark.parametrize("name", DAMAGED)
