@@ -72,8 +72,10 @@ def collectable(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -
     j = ak.first_unfreeable(slots, pool.pg_live, pool.pg_device, pool.free_pages.bits,
                             pool.free_slots.bits)
     if j >= 0:
-        raise ValueError(f"{pool.name}: {what} slot {int(slots[j])}: not live, or its slot or "
-                         f"page group {int(pool.pg_device[slots[j]])} is free already (§5.3)")
+        s = int(slots[j])
+        group = int(pool.pg_device[s]) if 0 <= s < len(pool.pg_device) else "-"
+        raise ValueError(f"{pool.name}: {what} slot {s}: not live, or its slot or page group "
+                         f"{group} is free already (§5.3)")
     if pool.host_of:
         host_extents_live(st, pool, slots, what)
 
