@@ -10,7 +10,8 @@ mutant, listed with its reason in ``EQUIVALENT``).
 
 It prints one line per mutant (killed / killed by error / survived, seconds), then
 ``mutants=N killed=K survived=[id, ...]`` and the known-equivalent survivors ("justified",
-not counted as survived). Exit status 0 iff no unjustified survivor. Not part of ``make test``.
+not counted as survived). Exit status 0 iff no unjustified survivor; 2, before any run, when
+an ``EQUIVALENT`` entry names no mutant (a stale excuse). Not part of ``make test``.
 
 A mutant's id is ``<file under ninfer_kv/>:<function or Class.method>:<kind>:<label>`` (the
 exception and message head, the operand's source, or the check's message); it carries no line
