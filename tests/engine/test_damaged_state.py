@@ -1,4 +1,4 @@
-"""``apply`` on a damaged state refuses whole: a property test over every kind of event.
+"""``apply`` on a damaged state refuses whole: an exhaustive test over every kind of event.
 
 A state damaged in one field — a page marked dead, a reference or pin count lost or gained, a
 free-list bit flipped, a space's flag or frontier changed, a host replica forgotten: what a
