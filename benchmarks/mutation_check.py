@@ -109,6 +109,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
     Target("engine/apply*.py", "assert"),   # apply's refusals of a damaged journal's events
+    Target("engine/page_life.py", "assert"),  # and its page half's (memberships, collection)
     Target("engine/invariants.py", "check"),
     Target("engine/incremental*.py", "check"),
     Target("engine/host_arena.py", "check", ("ExtentAllocator.violations",)),
@@ -184,12 +185,12 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
     ("engine/invariant_kernels.py", ["tests/engine/test_invariant_kernels.py", *INCREMENTAL,
                                      *ENGINE], MACHINE),
-    ("engine/apply*.py", ["tests/engine/test_damaged_events.py",
+    *((g, ["tests/engine/test_damaged_events.py",
                           "tests/engine/test_damaged_state.py", "tests/engine/test_round_kernels.py",
                           "tests/engine/test_apply_materialize.py",
                           "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
-                          *ENGINE], MACHINE),
+                          *ENGINE], MACHINE) for g in ("engine/apply*.py", "engine/page_life.py")),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/frames.py", ["tests/journal/test_frames.py", *JOURNAL], []),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
@@ -344,10 +345,17 @@ def _sites_check(unit: ast.AST, ctx: Ctx) -> Iterator[Site]:
 
 
 def _sites_assert(unit: ast.AST, ctx: Ctx) -> Iterator[Site]:
+    """``apply``'s refusals: its asserts, and its raises of the plain exceptions replay turns
+    into ``UnappliableRecord`` (``AssertionError``, ``ValueError``)."""
     for n in ast.walk(unit):
         if isinstance(n, ast.Assert):
             head = message_head(n.msg) if n.msg is not None else ast.unparse(n.test)
             yield Site(n, "pass", f'"{_short(head)}"')
+        elif isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and isinstance(
+                n.exc.func, ast.Name) and n.exc.func.id in ("AssertionError", "ValueError"):
+            texts = [x for x in n.exc.args if _stringish(x)]
+            head = message_head(texts[0] if texts else None)
+            yield Site(n, "pass", f'{n.exc.func.id} "{_short(head, 60)}"')
 
 
 def _conditions(unit: ast.AST) -> Iterator[ast.expr]:

@@ -167,12 +167,9 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
         f"Truncate of seq {e.bundle} to {f}: outside [protected {sp.protected}, committed " \
         f"{sp.committed}] of an active space (§8.2)"
     first, end = f // P, (sp.committed + P - 1) // P  # blocks from f's to the frontier's
-    cut = members_of(pool, sp)[first:end]
+    cut = members_of(pool, sp, "Truncate")[first:end]
     assert len(cut) == end - first, f"Truncate of seq {e.bundle}: a membership of " \
         f"{sp.nmem} pages, short of its committed frontier {sp.committed} (§14)"
-    live = pool.pg_live[cut]
-    assert live.all(), f"Truncate of seq {e.bundle}: block {first + int(np.argmin(live))} " \
-        "holds no live page (a membership holds live pages only, §14)"
     cols = (f - P * np.arange(first, end, dtype=I64)).clip(0)  # columns each page keeps
     lower = pool.pg_committed[cut] > cols
     pool.pg_committed[cut[lower]] = cols[lower]
@@ -186,10 +183,7 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     sp = pool.spaces[e.bundle]
     assert e.keep >= 0 and e.keep * P >= sp.committed, \
         f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
-    members = members_of(pool, sp)
-    assert not ak.has_repeat(members), f"Trim of seq {e.bundle}: its membership repeats a " \
-        "page (§14)"
-    dropped = members[e.keep:]
+    dropped = members_of(pool, sp, "Trim")[e.keep:]
     unref(st, pool, dropped, e.bundle, sp.active)  # refuses a damaged membership first
     sp.trim_members(e.keep)
     if sp.active:
@@ -223,11 +217,10 @@ def _finish(st: StoreState, e: ev.Finish) -> None:
     bundle = _bundle(st, e.bundle, "Finish")
     assert pool.row_owner.get(sp.row) == e.bundle and sp.row not in pool.free_rows, \
         f"Finish of seq {e.bundle}: its row {sp.row} is not leased to it"
-    slots = members_of(pool, sp)
-    if e.retain:  # the pages first: both refuse a damaged membership before any change
-        k = ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_live, pool.pg_active,
-                            pool.pg_writer, pool.pg_protected)  # protected only grows
-        assert k < 0, f"Finish of seq {e.bundle}: a dead page in its membership (block {k})"
+    slots = members_of(pool, sp, "Finish")
+    if e.retain:  # members_of refused a damaged membership before any change
+        ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
+                        pool.pg_protected)  # protected only grows
     else:
         unref(st, pool, slots, e.bundle, True)
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
@@ -257,7 +250,7 @@ def _release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
     assert not pool.spaces[e.bundle].active, f"Release of seq {e.bundle}: it is active (Finish)"
     _bundle(st, e.bundle, "Release")
-    unref(st, pool, members_of(pool, pool.spaces[e.bundle]), e.bundle, False)
+    unref(st, pool, members_of(pool, pool.spaces[e.bundle], "Release"), e.bundle, False)
     _drop_space(st, pool, e.bundle)
 
 
@@ -273,10 +266,8 @@ def _move(st: StoreState, e: ev.Move) -> None:
     _bundle(st, e.src, "Move")
     _bundle(st, e.dst, "Move")
     keep = (e.frontier + P - 1) // P
-    members = members_of(pool, src)
-    assert not ak.has_repeat(members), f"Move of {e.src}: its membership repeats a page (§14)"
+    members = members_of(pool, src, "Move")
     kept = members[:keep]
-    assert pool.pg_live[kept].all(), f"Move of {e.src}: a dead page in its membership"
     unref(st, pool, members[keep:], e.src, False)  # the pages past the frontier
     dst.members = kept
     pool.pg_active[kept] += 1
@@ -325,7 +316,7 @@ def _share(st: StoreState, e: ev.Share) -> None:
     src = pool.spaces[e.src]
     assert src.active and 0 <= e.full_pages * P <= src.committed, \
         f"Share of {e.src} in {e.pool}: {e.full_pages} pages"
-    shared = members_of(pool, src)[:e.full_pages]
+    shared = members_of(pool, src, "Share")[:e.full_pages]
     _new_checkpoint(st, pool, e.dst, shared, "shared", f"Share of {e.src}")
     pool.pg_writer[shared] = NO_PAGE
     pool.pg_protected[shared] = P
@@ -339,7 +330,7 @@ def _prefix(st: StoreState, e: ev.Prefix) -> None:
     src = pool.spaces[e.src]
     assert not src.active and 0 <= e.full_pages * P <= src.committed, \
         f"Prefix of {e.src} in {e.pool}: {e.full_pages} pages of an inactive checkpoint"
-    _new_checkpoint(st, pool, e.dst, members_of(pool, src)[:e.full_pages], "prefix",
+    _new_checkpoint(st, pool, e.dst, members_of(pool, src, "Prefix")[:e.full_pages], "prefix",
                     f"Prefix of {e.src}")
 
 
@@ -353,7 +344,6 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
     b = st.bundles.get(dst_id)
     assert b is None or (not b.active and b.finish_reason == reason), \
         f"{what} into {dst_id}: an existing bundle that is not this {reason} checkpoint"
-    assert pool.pg_live[shared].all(), f"{what}: a dead page in its membership"
     np.add.at(pool.pg_refs, shared, 1)
     dst = pool.spaces[dst_id] = KVAddressSpace(pool, dst_id, 0, NO_ROW)
     dst.active = False

@@ -258,13 +258,27 @@ def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_live: np.ndarra
 
 
 @njit(nogil=True)
-def has_repeat(slots: np.ndarray) -> bool:
-    """Whether a slot appears twice in ``slots`` (a membership never repeats a page, §14)."""
-    a = np.sort(slots)
-    for j in range(1, a.shape[0]):
-        if a[j] == a[j - 1]:
-            return True
-    return False
+def membership_fault(slots: np.ndarray, pg_live: np.ndarray) -> int:
+    """-1 when ``slots`` (a membership, by logical block) names distinct live pages (§14), else
+    the first block naming a slot outside the pool, a dead page, or (then) one an earlier block
+    names too. numba indexes without bounds checks and wraps a negative index, so every
+    handler reads a membership through this (``page_life.members_of``) before it writes."""
+    n = slots.shape[0]
+    for k in range(n):
+        s = slots[k]
+        if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:
+            return k
+    if n < 2:
+        return -1
+    lo, hi = slots.min(), slots.max()
+    seen = np.zeros(((hi - lo) >> 6) + 1, np.uint64)  # a bit per slot in [lo, hi]: O(n)
+    for k in range(n):
+        d = slots[k] - lo
+        bit = np.uint64(1) << np.uint64(d & 63)
+        if seen[d >> 6] & bit:
+            return k
+        seen[d >> 6] |= bit
+    return -1
 
 
 @njit(nogil=True)
@@ -418,8 +432,8 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
                pg_live: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
     """``apply(Fork)``'s checks and page half (§9.2): space ``src_i`` an inactive checkpoint,
     ``dst_i`` a different space without pages, ``full_pages`` within the source's membership
-    and committed frontier, every one of those pages live — else the first refusal code, and
-    nothing changed. Then the first ``full_pages`` blocks of ``src_i`` become ``dst_i``'s
+    and committed frontier, its membership sound (``membership_fault``) — else the first
+    refusal code, and nothing changed. Then the first ``full_pages`` blocks of ``src_i`` become ``dst_i``'s
     (active) membership, each page gaining a reference, and ``dst_i`` is committed to them.
     Returns ``OK``."""
     if sp_active[src_i]:
@@ -428,10 +442,8 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
         return FORK_BAD_TARGET
     if not 0 <= full_pages <= sp_nmem[src_i]:
         return FORK_BAD_COUNT
-    for k in range(full_pages):
-        s = sp_members[src_i, k]
-        if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:  # read in range only
-            return FORK_DEAD_PAGE
+    if membership_fault(sp_members[src_i, :sp_nmem[src_i]], pg_live) >= 0:
+        return FORK_DEAD_PAGE
     for k in range(full_pages):
         s = sp_members[src_i, k]
         pg_refs[s] += 1       # a membership holds a slot once: no repeated index
@@ -443,19 +455,12 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
 
 
 @njit(nogil=True)
-def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_live: np.ndarray,
-                 pg_active: np.ndarray, pg_writer: np.ndarray, pg_protected: np.ndarray
-                 ) -> int:
+def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_active: np.ndarray,
+                 pg_writer: np.ndarray, pg_protected: np.ndarray) -> None:
     """``apply(Finish(retain))``'s page half (§7.2, §9.4): block ``k`` of the finished
-    sequence (slot ``slots[k]``) loses its active reference and ``bundle``'s writer right,
-    and its protected coverage grows to the committed columns of that block. A slot listed
-    twice is counted twice (as ``np.subtract.at`` / ``np.maximum.at``). Returns -1, or the
-    first block whose slot is no live page (a membership holds live pages only, §14) —
-    then nothing changed."""
-    for k in range(slots.shape[0]):
-        s = slots[k]
-        if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:
-            return k
+    sequence (slot ``slots[k]``, a membership ``page_life.members_of`` checked) loses its
+    active reference and ``bundle``'s writer right, and its protected coverage grows to the
+    committed columns of that block."""
     for k in range(slots.shape[0]):
         s = slots[k]
         pg_active[s] -= 1
@@ -464,4 +469,3 @@ def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_live: np.nda
         cols = min(P, committed - P * k)
         if cols > pg_protected[s]:
             pg_protected[s] = cols
-    return -1

@@ -98,6 +98,16 @@ def host_extents_live(st: StoreState, pool: PoolState, slots: np.ndarray, what: 
         seen.add(off)
 
 
-def members_of(pool: PoolState, sp: KVAddressSpace) -> np.ndarray:
-    """``sp``'s membership as a fresh int64 array (slot ids by logical block)."""
-    return pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
+def members_of(pool: PoolState, sp: KVAddressSpace, what: str) -> np.ndarray:
+    """``sp``'s membership as a fresh int64 array (slot ids by logical block), read for an
+    event that changes its pages: distinct live pages (§14), else (a damaged state: a foreign
+    snapshot, a bug) ``ValueError`` naming the block — before the handler changes anything.
+    Every handler reads a membership through this, so a repeat or an out-of-range slot
+    cannot count a page twice or (numpy and numba wrap negative indices) alias another's."""
+    slots = pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
+    k = ak.membership_fault(slots, pool.pg_live)
+    if k >= 0:
+        raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: block {k} names slot "
+                         f"{int(slots[k])}, no live page or one an earlier block names (a "
+                         "membership holds distinct live pages, §14)")
+    return slots

@@ -13,10 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.page_life import collect
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, UnappliableRecord
@@ -341,9 +343,27 @@ def _replica_on_pending(st: StoreState, seq: int) -> None:
     p.pg_host_off[s0] = pending
 
 
+def _reference_lost(block: int) -> Callable[[StoreState, int], None]:
+    """The page at ``block`` of the seq's membership counts one reference fewer."""
+    def damage(st: StoreState, seq: int) -> None:
+        p = st.pools["main"]
+        p.pg_refs[p.spaces[seq].member(block)] -= 1
+    return damage
+
+
 def _slot_past_the_arrays(st: StoreState, seq: int) -> None:
     p = st.pools["main"]
     p.sp_members[p.spaces[seq].i, 0] = len(p.pg_live) + 5
+
+
+def _alias(block: int) -> Callable[[StoreState, int], None]:
+    """Block ``block`` of the seq's membership names a negative slot: numpy and numba wrap
+    it onto another seq's first page (another sequence's KV)."""
+    def damage(st: StoreState, seq: int) -> None:
+        p = st.pools["main"]
+        other = next(b for b, sp in p.spaces.items() if b != seq and sp.nmem)
+        p.sp_members[p.spaces[seq].i, block] = p.spaces[other].member(0) - len(p.pg_live)
+    return damage
 
 
 def damaged_cases(st: StoreState, ck: int, a: int
@@ -361,36 +381,36 @@ def damaged_cases(st: StoreState, ck: int, a: int
                              ev.pack_u32([1, 2]))
     again = ev.HostReserve("main", pack([s0, s1]), pack_i64([o + (2 << 16) for o in offs]))
     dead_page = "a dead page in its membership"
-    dropped = "drops slot .*, which is no live page"
+    unsound = "no live page or one an earlier block names"
     return {
         "Move keeping the dead page, releasing the one past it": (
-            _dead(1), ck, [act, ev.Move(ck, nxt, "main", 100)], dead_page),
+            _dead(1), ck, [act, ev.Move(ck, nxt, "main", 100)], unsound),
         "Move releasing the dead page past its frontier": (
-            _dead(2), ck, [act, ev.Move(ck, nxt, "main", 100)], dropped),
+            _dead(2), ck, [act, ev.Move(ck, nxt, "main", 100)], unsound),
         "Fork of the dead page": (_dead(1), ck, [act, ev.Fork(ck, nxt, "main", 2, 2 * P)],
                                   dead_page),
-        "Prefix of the dead page": (_dead(0), ck, [ev.Prefix(ck, nxt, "main", 2)], dead_page),
-        "Share of the dead page": (_dead(1), a, [ev.Share(a, nxt, "main", 2)], dead_page),
+        "Prefix of the dead page": (_dead(0), ck, [ev.Prefix(ck, nxt, "main", 2)], unsound),
+        "Share of the dead page": (_dead(1), a, [ev.Share(a, nxt, "main", 2)], unsound),
         "Truncate across the dead page, after a live one": (
-            _dead(3), a, [ev.Truncate(a, "main", 100)], "block 3 holds no live page"),
+            _dead(3), a, [ev.Truncate(a, "main", 100)], "block 3 names slot"),
         "Release of a checkpoint, the dead page after live ones": (
-            _dead(2), ck, [ev.Release(ck, "main")], dropped),
+            _dead(2), ck, [ev.Release(ck, "main")], unsound),
         "Finish of a sequence, the dead page last": (
-            _dead(3), a, [ev.Finish(a, "main", False, "done")], dropped),
+            _dead(3), a, [ev.Finish(a, "main", False, "done")], unsound),
         "Finish retaining the dead page": (
-            _dead(1), a, [ev.Finish(a, "main", True, "done")], "Finish of seq .*: a dead page"),
+            _dead(1), a, [ev.Finish(a, "main", True, "done")], unsound),
         "Trim dropping the dead page": (
-            _dead(3), a, [ev.Truncate(a, "main", 100), ev.Trim(a, "main", 2)], dropped),
+            _dead(3), a, [ev.Truncate(a, "main", 100), ev.Trim(a, "main", 2)], unsound),
         "HostAbort of a transfer whose page died": (
             _dead(1), ck, [reserve, ev.HostAbort("main", off)],
             r"HostAbort of main: slots \[\d+\] are not live"),
         "HostPublish of a transfer whose page died": (
             _dead(1), ck, [reserve, publish], r"HostPublish of main: slots \[\d+\] are not live"),
         "Move of a membership repeating a page": (
-            _repeat_first, ck, [act, ev.Move(ck, nxt, "main", 100)], "repeats a page"),
+            _repeat_first, ck, [act, ev.Move(ck, nxt, "main", 100)], unsound),
         "Trim of a membership repeating a page": (
             _repeat_first, a, [ev.Truncate(a, "main", 100), ev.Trim(a, "main", 2)],
-            "repeats a page"),
+            unsound),
         "Finish of a space without its bundle": (
             _lose_bundle, a, [ev.Finish(a, "main", False, "done")], "has a space but no bundle"),
         "Release of a space without its bundle": (
@@ -416,6 +436,22 @@ def damaged_cases(st: StoreState, ck: int, a: int
         "Fork of a membership naming a slot past the arrays": (
             _slot_past_the_arrays, ck, [act, ev.Fork(ck, nxt, "main", 2, 2 * P)],
             "a dead page in its membership"),
+        "Finish retaining a membership repeating a page": (
+            _repeat_first, a, [ev.Finish(a, "main", True, "done")], "block 3 names slot"),
+        "Fork of a prefix, a dead page past it": (
+            _dead(2), ck, [act, ev.Fork(ck, nxt, "main", 2, 2 * P)], dead_page),
+        "Move keeping a negative slot": (
+            _alias(0), ck, [act, ev.Move(ck, nxt, "main", 100)], "block 0 names slot -"),
+        "Share of a negative slot": (
+            _alias(1), a, [ev.Share(a, nxt, "main", 2)], "block 1 names slot -"),
+        "Prefix of a negative slot": (
+            _alias(0), ck, [ev.Prefix(ck, nxt, "main", 2)], "block 0 names slot -"),
+        "Truncate across a negative slot": (
+            _alias(2), a, [ev.Truncate(a, "main", 100)], "block 2 names slot -"),
+        "Release of a negative slot": (
+            _alias(1), ck, [ev.Release(ck, "main")], "block 1 names slot -"),
+        "Release of a page whose reference was lost": (
+            _reference_lost(1), ck, [ev.Release(ck, "main")], "which is no live page it refer"),
         "HostPublish replacing two replicas sharing an extent": (
             _share_extent, ck, [reserve, publish, again, ev.HostPublish(
                 "main", offs[0] + (2 << 16), pack([s0, s1]), pack([0, 0]), pack([P, P]),
@@ -440,7 +476,11 @@ DAMAGED = ["Move keeping the dead page, releasing the one past it",
            "HostDrop of two pages sharing a host extent",
            "HostPublish replacing two replicas sharing an extent",
            "HostAbort of a transfer onto a replica's own extent",
-           "Fork of a membership naming a slot past the arrays"]
+           "Fork of a membership naming a slot past the arrays",
+           "Finish retaining a membership repeating a page", "Fork of a prefix, a dead page past it",
+           "Move keeping a negative slot", "Share of a negative slot", "Prefix of a negative slot",
+           "Truncate across a negative slot", "Release of a negative slot",
+           "Release of a page whose reference was lost"]
 
 
 @pytest.mark.parametrize("name", DAMAGED)
@@ -463,3 +503,19 @@ def test_a_damaged_state_is_refused_by_its_own_rule(world: Any, name: str) -> No
     with pytest.raises(APPLY_ERRORS, match=words):
         apply(st, events[-1])
     assert fingerprint(st) == before, f"{name}: refused after a change"
+
+
+def test_collect_refuses_a_page_it_cannot_free(world: Any) -> None:
+    """``collect``'s own check (a second line: ``unref`` and ``collectable`` refuse first on
+    every path through ``apply``): garbage whose slot is free already is refused with
+    nothing freed, not freed twice."""
+    s, ck, _ = world
+    st = copy.deepcopy(s.state)
+    p = st.pools["main"]
+    slot = p.spaces[ck].member(0)
+    p.pg_refs[slot] = 0
+    p.free_slots.bits[slot] = True
+    before = fingerprint(st)
+    with pytest.raises(ValueError, match=f"freeing slot {slot} .*free already"):
+        collect(st, p, np.array([slot], np.int64))
+    assert fingerprint(st) == before

@@ -185,6 +185,13 @@ def _member_repeated(st: StoreState, slot: int, i: int) -> None:
         p.sp_members[i, p.sp_nmem[i] - 1] = p.sp_members[i, 0]
 
 
+def _member_negative(st: StoreState, slot: int, i: int) -> None:
+    """The space's first block names ``slot`` as a negative index (wrapped, it is ``slot``)."""
+    p = st.pools["main"]
+    if p.sp_nmem[i]:
+        p.sp_members[i, 0] = slot - len(p.pg_live)
+
+
 def _extent_shared(st: StoreState, slot: int, i: int) -> None:
     """``slot``'s host replica names another replica's extent (its own freed)."""
     p = st.pools["main"]
@@ -226,7 +233,13 @@ DAMAGES: dict[str, Callable[[StoreState, int, int], None]] = {
     "host extent shared": _extent_shared,
     "generation advanced": _add("pg_gen", 1),
     "entitlement lowered": _add("sp_entitlement", -3),
+    "membership naming a negative slot": _member_negative,
 }
+
+# the case -> the space whose whole membership its last event reads ("ck" or "a")
+READS = {"Finish": "a", "Finish, retained": "a", "Release": "ck", "Move": "ck", "Fork": "ck",
+         "Prefix": "ck", "Share": "a", "Truncate": "a", "Trim": "a",
+         "Release, with host replicas": "ck"}
 
 
 def test_a_refusal_on_a_damaged_state_changes_nothing(world: Any) -> None:
@@ -268,3 +281,28 @@ def test_every_case_applies_to_the_undamaged_state(world: Any) -> None:
         before = fingerprint(st)
         apply(st, events[-1])
         assert fingerprint(st) != before, name
+
+
+def test_an_event_reading_a_damaged_membership_refuses_it(world: Any) -> None:
+    """The other half: an event that reads a membership refuses one that breaks §14 (a dead
+    page, a repeat, a negative slot — which numpy and numba wrap onto a live page, so each was
+    applied before: a Finish(retain) counted a repeat twice, a Share or a Move took another
+    sequence's page). Exhaustive over ``READS`` x those damages x the pages of that space."""
+    s, ck, a = world
+    accepted = []
+    for name, whose in sorted(READS.items()):
+        for damage in ("page dead", "membership repeating a page",
+                       "membership naming a negative slot"):
+            sp = s.state.pools["main"].spaces[ck if whose == "ck" else a]
+            for slot in sp.members:
+                st = copy.deepcopy(s.state)
+                events = valid_cases(st, ck, a)[name]
+                for e in events[:-1]:
+                    apply(st, e)
+                DAMAGES[damage](st, slot, st.pools["main"].spaces[sp.bundle].i)
+                try:
+                    apply(st, events[-1])
+                except APPLY_ERRORS:
+                    continue
+                accepted.append(f"{name} after '{damage}' of slot {slot}: applied")
+    assert not accepted, "\n".join(accepted)

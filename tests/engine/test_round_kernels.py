@@ -263,27 +263,34 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 7), max_size=10), st.integers(0, 12 * P), st.integers(3, 5),
-       st.lists(st.integers(-1, P), min_size=8, max_size=8),
-       st.lists(st.integers(2, 6), min_size=8, max_size=8),
-       st.lists(st.booleans(), min_size=8, max_size=8).map(lambda x: [*x[:7], True]))
-def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers, live):
-    """Finish(retain)'s page half against the numpy form it replaced (repeated slots count
-    twice; blocks past the committed frontier keep their coverage); a membership naming a
-    dead page is refused at its first such block with nothing changed."""
+@given(st.lists(st.integers(0, 7), max_size=10, unique=True), st.integers(0, 12 * P),
+       st.integers(3, 5), st.lists(st.integers(-1, P), min_size=8, max_size=8),
+       st.lists(st.integers(2, 6), min_size=8, max_size=8))
+def test_retain_pages_matches_numpy(slots, committed, bundle, protected, writers):
+    """Finish(retain)'s page half against the numpy form it replaced (blocks past the
+    committed frontier keep their coverage), on a membership of distinct slots (the handler
+    reads it through ``members_of``)."""
     s = np.array(slots, I64)
     active, writer, prot = np.full(8, 9, I64), np.array(writers, I64), np.array(protected, I64)
     want_active, want_writer, want_prot = active.copy(), writer.copy(), prot.copy()
-    dead = [k for k, x in enumerate(slots) if not live[x]]
-    if not dead:
-        np.subtract.at(want_active, s, 1)
-        want_writer[s[want_writer[s] == bundle]] = -1
-        np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
-    got = ak.retain_pages(s, bundle, committed, np.array(live), active, writer, prot)
-    assert got == (dead[0] if dead else -1)
+    want_active[s] -= 1
+    want_writer[s[want_writer[s] == bundle]] = -1
+    np.maximum.at(want_prot, s, np.minimum(P, committed - P * np.arange(len(s), dtype=I64)))
+    ak.retain_pages(s, bundle, committed, active, writer, prot)
     assert active.tolist() == want_active.tolist()
     assert writer.tolist() == want_writer.tolist()
     assert prot.tolist() == want_prot.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-9, 9), max_size=10), st.lists(st.booleans(), min_size=8, max_size=8))
+def test_membership_fault_names_the_first_bad_block(slots, live):
+    """A slot outside [0, 8) or dead, else the later block of the first repeat in block
+    order; -1 for distinct live pages."""
+    want = next((k for k, x in enumerate(slots) if not (0 <= x < 8 and live[x])), None)
+    if want is None:
+        want = next((k for k, x in enumerate(slots) if x in slots[:k]), -1)
+    assert ak.membership_fault(np.array(slots, I64), np.array(live)) == want
 
 
 @settings(max_examples=300, deadline=None)
@@ -307,7 +314,7 @@ def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, d
         want = ak.FORK_BAD_TARGET
     elif not 0 <= full <= nmem:
         want = ak.FORK_BAD_COUNT
-    elif not all(live[1:full + 1]):
+    elif not all(live[1:nmem + 1]):  # the whole membership is read, not just the prefix
         want = ak.FORK_DEAD_PAGE
     else:
         want = rk.OK
