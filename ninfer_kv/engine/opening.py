@@ -5,8 +5,9 @@ The order is the rule (issue: "a refused open has already truncated the arena"):
 1. the configuration is validated (``StoreConfig.__post_init__``) and planned;
 2. the persistence/journal directories are created 0700 if missing and locked (``LOCK``) —
    the only files written before validation, and neither holds user data;
-3. the journal is scanned and replayed *without repairing anything* (snapshot + tail), and
-   the recovered state must pass the full §14 check;
+3. the journal is scanned and replayed *without repairing anything* (snapshot + tail): a
+   snapshot whose state breaks §14 is skipped like a damaged one, and the recovered state
+   must pass the full §14 check too;
 4. the recovered pool set, model geometry, host capacity and host persistence are compared
    with the configuration — a mismatch raises ``ConfigError`` with every file as it was;
 5. device planes, block tables and an in-memory host arena are allocated (an allocation
@@ -51,6 +52,18 @@ def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
     for e in CODEC.decode(payload):
         apply(st, e)
     st.seq = seq
+
+
+def _load_snapshot(data: bytes) -> StoreState:
+    """A snapshot's state, judged before any record is applied to it: one that breaks §14
+    (well-formed, on the log's CRC chain, and wrong: a bug, or written elsewhere) is refused
+    like one that does not decode, so recovery falls back to an older snapshot or the log —
+    the log, not a snapshot derived from it, is the record of what was acknowledged."""
+    st = decode_state(data)
+    broken = violations(st)
+    if broken:
+        raise ValueError(f"its state breaks §14: {'; '.join(broken[:3])}")
+    return st
 
 
 def _check_matches(state: StoreState, config: StoreConfig, plan: CapacityPlan,
@@ -119,7 +132,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
         if jdir is not None:                                   # 3. read-only recovery
             state, last, res = recover_state(  # from the newest snapshot's segment on
                 jdir, schema_major=CODEC.schema[0], initial=StoreState,
-                load_snapshot=decode_state, apply_record=_apply_record, repair=False,
+                load_snapshot=_load_snapshot, apply_record=_apply_record, repair=False,
                 skipped=report.snapshots_skipped)
             report.records = last
             report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"

@@ -349,8 +349,9 @@ def _load_snapshot(directory: str, res: ScanResult, schema_major: int, fs: FileS
             continue
         try:
             return load(cand.payload), cand.seq + 1, skipped
-        except Exception as exc:  # a foreign or incompatible payload: never trusted
-            skipped.append(f"snap-{cand.seq:016d}.snap: payload does not decode: {exc!r}")
+        except Exception as exc:  # a foreign, incompatible or wrong payload: never trusted
+            skipped.append(f"snap-{cand.seq:016d}.snap: payload refused (it does not decode, "
+                           f"or the engine judged it wrong): {exc!r}")
     return None, 1, skipped
 
 

@@ -18,6 +18,7 @@ from ninfer_kv.engine.store import KVStore, StoreConfig
 from ninfer_kv.errors import (
     ConfigError,
     InvalidArgument,
+    JournalCorrupt,
     StoreFailed,
     UnappliableRecord,
     WritePermissionError,
@@ -297,24 +298,74 @@ def test_a_malformed_trace_is_one_error_line(tmp_path: Path, capsys) -> None:  #
         assert err.startswith("error: InvalidArgument") and "t.jsonl:1" in err
 
 
-def test_recovered_state_must_pass_the_invariants(tmp_path: Path) -> None:
-    """apply refuses every damaged event it can judge alone (test_damaged_events), so the
-    broken state comes from a snapshot: well-formed, on the log's CRC chain, and wrong."""
+def test_a_snapshot_that_breaks_the_invariants_is_skipped(tmp_path: Path) -> None:
+    """The snapshot is judged when it is loaded, before any record is applied to it: refused
+    like one that does not decode, so the store recovers from the log (before: it was used,
+    and the open failed at the end, or a later record was blamed for its damage)."""
     import copy
 
     from ninfer_kv.engine.state import encode_state
-    from ninfer_kv.errors import JournalCorrupt
 
     s = KVStore.open(small_config(tmp_path))
     a = s.activate(64, 64)
     step(s)
-    broken = copy.deepcopy(s.state)
-    broken.pools["main"].spaces[a].provisional = 10_000  # past its membership: breaks §14
+    broken = copy.deepcopy(s.state)  # well-formed, on the log's CRC chain, and wrong:
+    broken.pools["main"].spaces[a].provisional = 10_000  # past its membership
     s.close()
     j = Journal.open(str(tmp_path / "journal"), CODEC)
     j.write_snapshot(encode_state(broken))
     j.close()
-    with pytest.raises(JournalCorrupt, match="breaks §14"):
+    s2 = KVStore.open(s.config)
+    skipped = " | ".join(s2.recovery.snapshots_skipped)
+    assert "breaks §14" in skipped and "provisional" in skipped, skipped
+    assert s2.recovery.records == s.state.seq  # every record replayed from the log
+    s2.close()
+    assert replay(str(tmp_path / "journal")).digest == s2.digest()
+
+
+def test_a_compacted_log_under_a_broken_snapshot_is_refused(tmp_path: Path) -> None:
+    """With the records before it compacted away, nothing replaces the refused snapshot:
+    ``JournalCorrupt``, nothing written."""
+    from ninfer_kv.engine.state import decode_state, encode_state
+    from ninfer_kv.journal.format import pack_snapshot, parse_snapshot
+
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(64, 64)
+    step(s)
+    path = Path(s.snapshot())
+    assert s.compact() > 0
+    s.close()
+    good = parse_snapshot(path.read_bytes())
+    assert not isinstance(good, str)
+    broken = decode_state(good.payload)
+    broken.pools["main"].spaces[a].provisional = 10_000
+    path.write_bytes(pack_snapshot(good.schema_major, good.seq, good.last_crc,
+                                   encode_state(broken)))
+    before = tree(tmp_path)
+    with pytest.raises(JournalCorrupt, match="no usable snapshot"):
+        KVStore.open(s.config)
+    assert tree(tmp_path) == before
+
+
+def test_recovered_state_must_pass_the_invariants(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check after replay is the second line behind apply's refusals and the snapshot's
+    own check: a record applied wrongly (here an apply bug, simulated) fails the open."""
+    from ninfer_kv.engine import opening
+
+    s = KVStore.open(small_config(tmp_path))
+    a = s.activate(64, 64)
+    step(s)
+    s.close()
+    real = opening._apply_record
+
+    def buggy(st, seq, payload) -> None:  # noqa: ANN001
+        real(st, seq, payload)
+        if a in st.pools["main"].spaces:
+            st.pools["main"].spaces[a].provisional = 10_000
+
+    monkeypatch.setattr(opening, "_apply_record", buggy)
+    with pytest.raises(JournalCorrupt, match="the recovered state breaks §14"):
         KVStore.open(s.config)
 
 
