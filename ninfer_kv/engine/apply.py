@@ -116,6 +116,7 @@ def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, wha
     assert code != ak.NO_SPACE, f"{what} for seq {int(b[j])}, which has no space in {name}"
     assert code != ak.INACTIVE, f"{what} of {name}: into an inactive checkpoint"
     assert code != ak.NO_GROUP, f"{what} of {name}: a new page without a page group (§8.1)"
+    assert code != ak.BAD_LENGTH, f"{what} for seq {int(b[j])}: a membership of negative length"
     assert code != ak.TOO_WIDE, \
         f"{what} of {name}: a membership of {x} pages, past L={pool.logical_pages} (§14)"
     raise AssertionError(
@@ -130,7 +131,8 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
     committed columns."""
     pool = st.pools[e.pool]
     bad = ak.apply_commit_raw(e.bundles, e.frontiers, pool.bundle_index, pool.sp_committed,
-                              pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active)
+                              pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active,
+                              pool.pg_live, pool.pg_writer)
     if bad == -1:
         return
     assert bad != ak.COMMIT_LENGTHS, \
@@ -138,9 +140,9 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
         "frontiers (int32 each)"
     b, f = unpack(e.bundles), unpack(e.frontiers)
     raise AssertionError(
-        f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in {e.pool}, or a "
+        f"commit of seq {int(b[bad])} to {int(f[bad])}: no active space in {e.pool}, a "
         "frontier below its committed one (§8.1: a commit only advances; Truncate lowers) or "
-        "past its membership")
+        "past its membership, or a block to write that is no live page it writes (§9.4)")
 
 
 def _provisional(st: StoreState, e: ev.ProvisionalFrontiers) -> None:
@@ -300,7 +302,8 @@ def _fork(st: StoreState, e: ev.Fork) -> None:
         f"Fork of {e.src} into {e.dst}: a destination with pages, or past the committed frontier"
     assert code != ak.FORK_BAD_COUNT, \
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
-    assert code != ak.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership"
+    assert code != ak.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership, a " \
+        "slot outside the pool, a repeat, or a length past its row (§14)"
     dst.provisional = e.full_pages * P  # committed too (fork_pages)
     dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
     pool.reserved -= e.full_pages - dst.incoming

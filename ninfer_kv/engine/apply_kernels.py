@@ -28,12 +28,16 @@ def int32s(raw: bytes) -> np.ndarray:
 @njit(nogil=True)
 def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.ndarray,
                  sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
-                 pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
+                 pg_committed: np.ndarray, sp_active: np.ndarray, pg_live: np.ndarray,
+                 pg_writer: np.ndarray) -> int:
     """``apply(CommitFrontiers)``, in event order: pages from the old frontier's block to
     the new one get their committed columns. Returns -1, or the first element naming no
-    active space or a frontier outside [its committed frontier, membership] — a commit only
-    advances (a damaged journal; then nothing is applied). A seq listed twice is checked
-    against the frontier its earlier element left."""
+    active space, a frontier outside [its committed frontier, membership] — a commit only
+    advances — or a block to write whose slot is no live page the sequence writes (§9.4: the
+    single writer; ``round_kernels.check_commit`` checked it on the command side, so this is
+    a damaged state: a membership naming another sequence's page, or a slot outside the
+    pool). Then nothing is applied. A seq listed twice is checked against the frontier its
+    earlier element left."""
     n = bundles.shape[0]
     old = np.empty(n, np.int64)     # each element's committed frontier before it
     for j in range(n):
@@ -42,8 +46,14 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
         bad = not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0)
         if not bad:
             i = bundle_index[b]
-            bad = (not sp_active[i] or frontiers[j] > sp_nmem[i] * P
-                   or frontiers[j] < sp_committed[i])
+            f = frontiers[j]
+            bad = (not sp_active[i] or f > sp_nmem[i] * P or f < sp_committed[i]
+                   or (f + P - 1) // P > sp_members.shape[1])
+            for blk in range(sp_committed[i] // P, (f + P - 1) // P):
+                if bad:
+                    break
+                s = sp_members[i, blk]
+                bad = s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_writer[s] != b
         if bad:
             for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
                 sp_committed[bundle_index[bundles[k]]] = old[k]
@@ -66,13 +76,14 @@ COMMIT_LENGTHS = -2
 @njit(nogil=True)
 def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
                      sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
-                     pg_committed: np.ndarray, sp_active: np.ndarray) -> int:
+                     pg_committed: np.ndarray, sp_active: np.ndarray, pg_live: np.ndarray,
+                     pg_writer: np.ndarray) -> int:
     """``apply_commit`` on the event's packed fields (``int32s``); ``COMMIT_LENGTHS`` when
     their lengths differ (nothing applied)."""
     if len(b_raw) % 4 or len(f_raw) != len(b_raw):
         return COMMIT_LENGTHS
     return apply_commit(int32s(b_raw), int32s(f_raw), bundle_index, sp_committed, sp_nmem,
-                        sp_members, pg_committed, sp_active)
+                        sp_members, pg_committed, sp_active, pg_live, pg_writer)
 
 
 @njit(nogil=True)
@@ -354,8 +365,8 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
                      ) -> tuple[np.ndarray, int, int, int]:
     """``apply(Materialize)``'s checks and sizing in one pass: (space index of each new
     page's bundle, code, j, the membership width ``append_members`` reaches). ``code`` is
-    ``OK`` or the first refusal (``NO_SPACE``, ``INACTIVE``, ``NO_GROUP``) at element ``j``;
-    a bundle may repeat (one sequence, several new pages)."""
+    ``OK`` or the first refusal (``NO_SPACE``, ``INACTIVE``, ``NO_GROUP``, ``BAD_LENGTH``)
+    at element ``j``; a bundle may repeat (one sequence, several new pages)."""
     n = bundles.shape[0]
     idx = np.empty(n, np.int64)
     extra = np.zeros(sp_nmem.shape[0], np.int64)
@@ -369,16 +380,18 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
             return idx, INACTIVE, j, 0
         if devs[j] < 0:
             return idx, NO_GROUP, j, 0
+        if sp_nmem[i] < 0:
+            return idx, BAD_LENGTH, j, 0
         idx[j] = i
         extra[i] += 1
         width = max(width, sp_nmem[i] + extra[i])
     return idx, OK, -1, width
 
 
-NO_ROOM, BAD_SLOT, LENGTHS, TOO_WIDE = 4, 5, 6, 7
+NO_ROOM, BAD_SLOT, LENGTHS, TOO_WIDE, BAD_LENGTH = 4, 5, 6, 7, 8
 """``materialize``'s other answers: the arrays must grow first (nothing changed), a slot or
 page group that is not free (``take_new_pages``' rule), fields of different lengths, a
-membership past L."""
+membership past L, a membership of negative length (a damaged state)."""
 
 
 @njit(nogil=True)
@@ -442,7 +455,8 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
         return FORK_BAD_TARGET
     if not 0 <= full_pages <= sp_nmem[src_i]:
         return FORK_BAD_COUNT
-    if membership_fault(sp_members[src_i, :sp_nmem[src_i]], pg_live) >= 0:
+    if sp_nmem[src_i] > sp_members.shape[1] or membership_fault(
+            sp_members[src_i, :sp_nmem[src_i]], pg_live) >= 0:
         return FORK_DEAD_PAGE
     for k in range(full_pages):
         s = sp_members[src_i, k]

@@ -104,7 +104,11 @@ def members_of(pool: PoolState, sp: KVAddressSpace, what: str) -> np.ndarray:
     snapshot, a bug) ``ValueError`` naming the block — before the handler changes anything.
     Every handler reads a membership through this, so a repeat or an out-of-range slot
     cannot count a page twice or (numpy and numba wrap negative indices) alias another's."""
-    slots = pool.sp_members[sp.i, :pool.sp_nmem[sp.i]].astype(I64)
+    n = pool.sp_nmem[sp.i]
+    if not 0 <= n <= pool.sp_members.shape[1]:  # numpy would wrap or clamp the slice
+        raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: a membership of {n} "
+                         f"pages, outside [0, its row's {pool.sp_members.shape[1]}] (§14)")
+    slots = pool.sp_members[sp.i, :n].astype(I64)
     k = ak.membership_fault(slots, pool.pg_live)
     if k >= 0:
         raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: block {k} names slot "

@@ -230,7 +230,8 @@ def test_commit_on_packed_fields_refuses_different_lengths() -> None:
             apply(s.state, e)
         assert digest(s.state) == before
     assert ak.apply_commit_raw(ev.pack([b]), ev.pack([1, 2]), p.bundle_index, p.sp_committed,
-                               p.sp_nmem, p.sp_members, p.pg_committed, p.sp_active) == ak.COMMIT_LENGTHS
+                               p.sp_nmem, p.sp_members, p.pg_committed, p.sp_active,
+                               p.pg_live, p.pg_writer) == ak.COMMIT_LENGTHS
     s.close()
 
 

@@ -351,6 +351,14 @@ def _reference_lost(block: int) -> Callable[[StoreState, int], None]:
     return damage
 
 
+def _length(n: int | None) -> Callable[[StoreState, int], None]:
+    """The seq's membership length becomes ``n`` (None: one past its row's width)."""
+    def damage(st: StoreState, seq: int) -> None:
+        p = st.pools["main"]
+        p.sp_nmem[p.spaces[seq].i] = p.sp_members.shape[1] + 1 if n is None else n
+    return damage
+
+
 def _slot_past_the_arrays(st: StoreState, seq: int) -> None:
     p = st.pools["main"]
     p.sp_members[p.spaces[seq].i, 0] = len(p.pg_live) + 5
@@ -373,6 +381,7 @@ def damaged_cases(st: StoreState, ck: int, a: int
     p = st.pools["main"]
     nxt, row = st.next_bundle, p.free_rows.first()
     act = ev.Activate(nxt, "main", 3, row, 300, 150, 2)
+    free_slot, free_page = next(iter(p.free_slots)), next(iter(p.free_pages))
     s0, s1 = p.spaces[ck].members[:2]
     off = next(iter(st.host.by_off))  # type: ignore[union-attr]
     offs = [off, off + (1 << 16)]
@@ -452,6 +461,22 @@ def damaged_cases(st: StoreState, ck: int, a: int
             _alias(1), ck, [ev.Release(ck, "main")], "block 1 names slot -"),
         "Release of a page whose reference was lost": (
             _reference_lost(1), ck, [ev.Release(ck, "main")], "which is no live page it refer"),
+        "commit through a negative slot onto another's page": (
+            _alias(3), a, [ev.CommitFrontiers("main", pack([a]), pack([210]))],
+            "a block to write that is no live page it writes"),
+        "commit through a slot past the arrays": (
+            _slot_past_the_arrays, nxt, [act, ev.Materialize(
+                "main", pack([nxt]), pack([free_slot]), pack([free_page])),
+                ev.CommitFrontiers("main", pack([nxt]), pack([10]))],
+            "a block to write that is no live page it writes"),
+        "Materialize onto a membership of negative length": (
+            _length(-1), a, [ev.Materialize("main", pack([a]), pack([free_slot]),
+                                            pack([free_page]))],
+            "a membership of negative length"),
+        "Finish of a membership of negative length": (
+            _length(-12), a, [ev.Finish(a, "main", False, "done")], "a membership of -12 pages"),
+        "Fork of a membership longer than its row": (
+            _length(None), ck, [act, ev.Fork(ck, nxt, "main", 2, 2 * P)], "a length past its row"),
         "HostPublish replacing two replicas sharing an extent": (
             _share_extent, ck, [reserve, publish, again, ev.HostPublish(
                 "main", offs[0] + (2 << 16), pack([s0, s1]), pack([0, 0]), pack([P, P]),
@@ -480,7 +505,12 @@ DAMAGED = ["Move keeping the dead page, releasing the one past it",
            "Finish retaining a membership repeating a page", "Fork of a prefix, a dead page past it",
            "Move keeping a negative slot", "Share of a negative slot", "Prefix of a negative slot",
            "Truncate across a negative slot", "Release of a negative slot",
-           "Release of a page whose reference was lost"]
+           "Release of a page whose reference was lost",
+           "commit through a negative slot onto another's page",
+           "commit through a slot past the arrays",
+           "Materialize onto a membership of negative length",
+           "Finish of a membership of negative length",
+           "Fork of a membership longer than its row"]
 
 
 @pytest.mark.parametrize("name", DAMAGED)

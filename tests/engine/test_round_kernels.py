@@ -176,11 +176,12 @@ def test_check_commit_matches_oracle(args):
 
 
 @settings(max_examples=300, deadline=None)
-@given(commits(), st.booleans())
-def test_apply_commit_matches_oracle(args, repeat: bool):
+@given(commits(), st.booleans(), st.integers(-1, 12))
+def test_apply_commit_matches_oracle(args, repeat: bool, dead: int):
     """Applied in event order; an element below the frontier its space has by then (a commit
-    only advances) or past its membership refuses the whole event, unchanged."""
-    bundles, idx, frontiers, committed, nmem, members, *_ = args
+    only advances), past its membership, or writing a block whose slot is no live page it
+    writes (a damaged state: §9.4's single writer) refuses the whole event, unchanged."""
+    bundles, idx, frontiers, committed, nmem, members, writer, *_ = args
     if repeat and len(bundles) > 1:  # the first space listed twice
         bundles, idx = np.append(bundles, bundles[0]), np.append(idx, idx[0])
         frontiers = np.append(frontiers, frontiers[0] - 1)
@@ -188,38 +189,57 @@ def test_apply_commit_matches_oracle(args, repeat: bool):
     bundle_index[bundles] = idx
     active = np.ones(len(committed), np.bool_)
     pg = np.zeros(members.max() + 1, I64)
+    live = np.ones(len(pg), np.bool_)
+    if 0 <= dead < len(live):
+        live[dead] = False
     want_pg, want_sp = pg.copy(), committed.copy()
     want_bad = -1
     for j in range(len(bundles)):  # the rule, in event order
         i, f = idx[j], int(frontiers[j])
-        if not want_sp[i] <= f <= nmem[i] * P:
+        blocks = range(int(want_sp[i]) // P, -(-f // P))
+        if not want_sp[i] <= f <= nmem[i] * P or any(
+                not live[members[i, blk]] or writer[members[i, blk]] != bundles[j]
+                for blk in blocks):
             want_bad = j
             break
-        for blk in range(int(want_sp[i]) // P, -(-f // P)):
+        for blk in blocks:
             want_pg[members[i, blk]] = min(P, f - blk * P)
         want_sp[i] = f
     if want_bad >= 0:
         want_pg, want_sp = pg.copy(), committed.copy()
-    got = ak.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active)
+    got = ak.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active,
+                          live, writer)
     assert got == want_bad
     assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
+
+
+def _writable(members: np.ndarray, bundles: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """pg_live and pg_writer for ``members``: every slot a live page its row's bundle writes."""
+    n = int(members.max()) + 1
+    writer = np.full(n, -1, I64)
+    for i, b in enumerate(bundles):
+        row = members[i][members[i] >= 0]
+        writer[row] = b
+    return np.ones(n, np.bool_), writer
 
 
 def test_apply_commit_into_an_inactive_space_applies_nothing() -> None:
     committed = np.array([5, 5], I64)
     pg = np.zeros(4, I64)
+    members = np.array([[0, 1], [2, 3]], np.int32)
     bad = ak.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), np.array([0, 1], I64),
-                          committed, np.array([2, 2], I64), np.array([[0, 1], [2, 3]], np.int32),
-                          pg, np.array([True, False]))
+                          committed, np.array([2, 2], I64), members, pg, np.array([True, False]),
+                          *_writable(members, [0, 1]))
     assert bad == 1 and committed.tolist() == [5, 5] and pg.tolist() == [0, 0, 0, 0]
 
 
 def test_apply_commit_of_an_unknown_seq_applies_nothing():
     committed = np.array([5], I64)
     pg = np.zeros(2, I64)
+    members = np.array([[0, 1]], np.int32)
     bad = ak.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
-                          committed, np.array([2], I64), np.array([[0, 1]], np.int32), pg,
-                          np.ones(1, np.bool_))
+                          committed, np.array([2], I64), members, pg, np.ones(1, np.bool_),
+                          *_writable(members, [0]))
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
 
 
@@ -233,7 +253,7 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
     pg = np.zeros(4, I64)
     bad = ak.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
                           np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg,
-                          np.ones(2, np.bool_))
+                          np.ones(2, np.bool_), *_writable(members, [0, 1]))
     assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]
 
 
