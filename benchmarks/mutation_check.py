@@ -28,7 +28,8 @@ Mutant kinds (what "disable one rule" means; where: ``TARGETS``):
   ``True``; an ``if`` that returns a reason string gets the test ``False`` (one mutant per
   operand of an ``or``);
 * ``assert``   -- in ``apply``'s handlers (a damaged journal's event is refused whole), an
-  ``assert`` becomes ``pass``;
+  ``assert`` becomes ``pass``, and so does a ``raise AssertionError(...)`` or
+  ``raise ValueError(...)``;
 * ``recovery`` -- in a recovery validity function, an ``if``/``elif`` that returns or yields
   a reason, or sets a verdict variable (``bad``, ``reason``, ``durable_later``), gets the
   test ``False``.
@@ -46,6 +47,12 @@ the child, so they bind the mutated objects. Exit status != 0 means killed (1: a
 anything else, a signal or the timeout: "killed by error"). A tier-1 survivor gets a second
 child with tier 2: the hypothesis state machine, then every other fast test file, so a reported
 survivor is one no test of the suite kills (only the minutes-long SLOW files are left out).
+
+A compiled kernel called only by another compiled kernel (``materialize_plan`` inside
+``materialize``, ``apply_commit`` inside ``apply_commit_raw``) is mutated on its module, not
+inside its compiled caller: only tests that call it directly (tests/engine/test_round_kernels.py)
+can kill its mutants. A survivor there is real (a rule no direct test holds), never a false kill.
+A property test needs an explicit ``@example`` of each refusal: the run is derandomized.
 
 Adding a mutant kind: write a ``_sites_<op>(unit, ctx)`` generator yielding ``Site``s (the node
 to replace, its replacement ``"pass" | "True" | "False" | "[]"`` and a label), register it in
@@ -393,6 +400,7 @@ REFUSAL_CODES = frozenset({"UNKNOWN", "DUPLICATE", "FRONTIER", "ENTITLEMENT", "W
                            "NO_SPACE", "INACTIVE", "NO_GROUP", "FORK_ACTIVE_SOURCE",
                            "FORK_BAD_TARGET", "FORK_BAD_COUNT", "FORK_DEAD_PAGE",
                            "NO_ROOM", "BAD_SLOT", "LENGTHS", "COMMIT_LENGTHS", "TOO_WIDE", "GROW_BAD",
+                           "BAD_LENGTH",
                            "DEAD", "SHORT", "NO_DEVICE", "C_NO_SPACE", "C_ORDER", "C_DEAD",
                            "C_SHORT", "C_RANGE", "C_NEGATIVE",
                            "K_RELEASED_NOT_FREE", "K_OUT_OF_RANGE", "K_DOUBLE_LEASE",

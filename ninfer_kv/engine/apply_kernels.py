@@ -47,13 +47,15 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
         if not bad:
             i = bundle_index[b]
             f = frontiers[j]
-            bad = (not sp_active[i] or f > sp_nmem[i] * P or f < sp_committed[i]
-                   or (f + P - 1) // P > sp_members.shape[1])
-            for blk in range(sp_committed[i] // P, (f + P - 1) // P):
-                if bad:
-                    break
-                s = sp_members[i, blk]
-                bad = s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_writer[s] != b
+            if (not sp_active[i] or f > sp_nmem[i] * P or f < sp_committed[i]
+                    or (f + P - 1) // P > sp_members.shape[1]):
+                bad = True
+            else:
+                for blk in range(sp_committed[i] // P, (f + P - 1) // P):
+                    s = sp_members[i, blk]
+                    if s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_writer[s] != b:
+                        bad = True
+                        break
         if bad:
             for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
                 sp_committed[bundle_index[bundles[k]]] = old[k]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import apply_kernels as ak
@@ -259,10 +260,12 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(pools(), st.lists(st.tuples(st.integers(-2, 12), st.integers(-1, 3)), max_size=8),
-       st.lists(st.integers(0, 5), min_size=6, max_size=6))
+       st.lists(st.integers(-1, 5), min_size=6, max_size=6))
+@example((np.array([0], I64), np.array([True])), [(0, 1)], [-1, 0, 0, 0, 0, 0])  # BAD_LENGTH
 def test_materialize_plan_matches_oracle(pool, pages, nmem):
-    """apply(Materialize)'s checks: every bundle has a space, an active one, and every new
-    page a page group; the width is the longest membership after the appends."""
+    """apply(Materialize)'s checks: every bundle has a space, an active one, every new page
+    a page group, and its space a membership of length >= 0 (a damaged state: refused here,
+    before any page is taken); the width is the longest membership after the appends."""
     bundle_index, sp_active = pool
     sp_nmem = np.array(nmem[:len(sp_active)], I64)
     b = np.array([x for x, _ in pages], I64)
@@ -271,15 +274,69 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
     want, grown = (rk.OK, -1), sp_nmem.copy()
     for k, (x, d) in enumerate(pages):
         i = bundle_index[x] if 0 <= x < len(bundle_index) else -1
-        if i < 0 or not sp_active[i] or d < 0:
-            want = (ak.NO_SPACE if i < 0 else ak.INACTIVE if not sp_active[i] else ak.NO_GROUP,
-                    k)
+        if i < 0 or not sp_active[i] or d < 0 or sp_nmem[i] < 0:
+            want = (ak.NO_SPACE if i < 0 else ak.INACTIVE if not sp_active[i] else ak.NO_GROUP
+                    if d < 0 else ak.BAD_LENGTH, k)
             break
         grown[i] += 1
     assert (code, j) == want
     if code == rk.OK:
         assert idx.tolist() == [int(bundle_index[x]) for x, _ in pages]
         assert width == max([int(grown[i]) for i in idx.tolist()], default=0)
+
+
+@pytest.mark.parametrize("damage", ["short", "long", "negative", "past"])
+def test_apply_commit_refuses_a_damaged_membership(damage: str) -> None:
+    """Called directly: ``apply_commit_raw`` (compiled) calls it, so a test through ``apply``
+    would not see a change to it. Space 0 (seq 0) commits 3 pages' worth through a damaged
+    membership; the arrays are views into larger ones, so a read or write past them lands in
+    memory the test owns. Each refused, nothing changed: a length shorter than the row's
+    valid slots ("short"), past the row ("long": it would read space 1's row), a negative
+    slot wrapping onto the space's own page, a slot past the arrays."""
+    members = np.full((2, 3), -1, np.int32)
+    members[0] = [0, 1, 2]
+    members[1] = [3, 4, 5]
+    nmem = np.array([3, 3], I64)
+    live_big, writer_big = np.ones(8, np.bool_), np.zeros(8, I64)  # seq 0 writes every slot
+    pg_big = np.zeros(8, I64)
+    live, writer, pg = live_big[:6], writer_big[:6], pg_big[:6]
+    frontier = 3 * P
+    if damage == "short":
+        nmem[0] = 2
+    elif damage == "long":  # one space, a row of 3; flat[3] lies past it (slot 3, seq 0's)
+        flat = np.array([0, 1, 2, 3, -1, -1], np.int32)
+        members = flat[:3].reshape(1, 3)
+        nmem = np.array([4], I64)
+        frontier = 4 * P
+    elif damage == "negative":
+        members[0, 2] = 1 - len(live)     # wraps onto slot 1, the space's own page
+    else:
+        members[0, 2] = len(live)         # one past the arrays: live, written by seq 0
+    committed = np.zeros(len(nmem), I64)
+    before = (members.copy(), committed.copy(), pg_big.copy())
+    bad = ak.apply_commit(np.array([0], I64), np.array([frontier], I64),
+                          np.arange(len(nmem), dtype=I64), committed, nmem, members, pg,
+                          np.ones(len(nmem), np.bool_), live, writer)
+    assert bad == 0
+    assert (members.tolist(), committed.tolist(), pg_big.tolist()) == tuple(
+        a.tolist() for a in before)
+
+
+def test_fork_pages_refuses_a_membership_past_its_row() -> None:
+    """A length past the row (with a committed frontier to match, both damaged) would copy
+    the next space's row into the destination and write past the destination's row."""
+    flat = np.full(9, -1, np.int32)
+    members = flat[:6].reshape(3, 2)   # rows of 2; flat[6:] is past the array
+    members[0] = [0, 1]
+    members[1] = [2, 3]
+    sp_nmem = np.array([3, 2, 0], I64)
+    sp_committed = np.array([3 * P, 2 * P, 0], I64)
+    refs, active = np.ones(4, I64), np.zeros(4, I64)
+    before = (flat.copy(), refs.copy(), active.copy(), sp_nmem.copy())
+    code = ak.fork_pages(0, 2, 3, np.array([False, False, True]), sp_committed, members,
+                         sp_nmem, np.ones(4, np.bool_), refs, active)
+    assert code == ak.FORK_DEAD_PAGE
+    assert all((a == b).all() for a, b in zip(before, (flat, refs, active, sp_nmem), strict=True))
 
 
 @settings(max_examples=300, deadline=None)
