@@ -186,7 +186,7 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     assert e.keep >= 0 and e.keep * P >= sp.committed, \
         f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
     dropped = members_of(pool, sp, "Trim")[e.keep:]
-    unref(st, pool, dropped, e.bundle, sp.active)  # refuses a damaged membership first
+    unref(st, pool, dropped, e.bundle, sp.active)  # refuses a lost reference first
     sp.trim_members(e.keep)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity

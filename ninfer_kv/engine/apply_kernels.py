@@ -447,10 +447,10 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
                pg_live: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
     """``apply(Fork)``'s checks and page half (§9.2): space ``src_i`` an inactive checkpoint,
     ``dst_i`` a different space without pages, ``full_pages`` within the source's membership
-    and committed frontier, its membership sound (``membership_fault``) — else the first
-    refusal code, and nothing changed. Then the first ``full_pages`` blocks of ``src_i`` become ``dst_i``'s
-    (active) membership, each page gaining a reference, and ``dst_i`` is committed to them.
-    Returns ``OK``."""
+    and committed frontier, its whole membership sound (``membership_fault``, within its
+    row) — else the first refusal code, and nothing changed. Then the first ``full_pages``
+    blocks of ``src_i`` become ``dst_i``'s (active) membership, each page gaining a
+    reference, and ``dst_i`` is committed to them. Returns ``OK``."""
     if sp_active[src_i]:
         return FORK_ACTIVE_SOURCE
     if src_i == dst_i or sp_nmem[dst_i] != 0 or full_pages * P > sp_committed[src_i]:
