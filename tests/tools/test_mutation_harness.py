@@ -58,6 +58,8 @@ def reason(x: int) -> str | None:
 
 def _half(x: int) -> int:
     assert x % 2 == 0, "odd"
+    if x > 100:
+        raise ValueError("too big to halve")  # the assert kind: apply's refusals raise these too
     return x // 2
 
 
@@ -105,7 +107,7 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, 
 
 def _mutants(pkg: str, root: Path) -> dict[str, object]:
     targets = [mc.Target("core.py", "raise"), mc.Target("core.py", "filter", ("pick", "reason")),
-               mc.Target("core.py", "assert")]
+               mc.Target("core.py", "assert", ("_half",))]
     return {m.id: m for m in mc.discover(targets, root=root, package=pkg)}
 
 
@@ -121,6 +123,7 @@ def test_discovery_finds_every_kind_in_the_package() -> None:
     assert any(i.startswith("engine/decode.py:commit_many:raise:FrontierError") for i in ids)
     assert any(i.startswith("engine/invariants.py:_pool_violations:check:") for i in ids)
     assert any(i.startswith("engine/apply.py:_trim:assert:") for i in ids)
+    assert any(i.startswith("engine/page_life.py:members_of:assert:ValueError") for i in ids)
     assert mc.tests_for("engine/store.py", 1) and mc.tests_for("journal/log.py", 2)
     assert not set(mc.tests_for("engine/store.py", 1)) & mc.SLOW
 
@@ -131,6 +134,7 @@ def test_toy_discovery(toy: tuple[str, Path]) -> None:
         'core.py:Thing.make:raise:InvalidArgument "too big"',
         'core.py:Thing.value:raise:InvalidArgument "negative"',
         'core.py:_half:assert:"odd"',
+        'core.py:_half:assert:ValueError "too big to halve"',
         'core.py:check:raise:InvalidArgument "x={} must be >= 0"',
         "core.py:pick:filter:x % 2 == 0 -> True",
         "core.py:pick:filter:x > 0 -> True",
