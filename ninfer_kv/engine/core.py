@@ -25,8 +25,8 @@ from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.lock import DirLock
-from ninfer_kv.engine.opening import open_store
-from ninfer_kv.engine.state import StoreState, decode_state, encode_state
+from ninfer_kv.engine.opening import load_snapshot, open_store
+from ninfer_kv.engine.state import StoreState, encode_state
 from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
@@ -182,15 +182,17 @@ class StoreCore:
         self._usable("compact")
         if self.journal is None:
             return 0
-        def decodes(payload: bytes) -> bool:
+        def opens(payload: bytes) -> bool:
+            """Whether open would use it (``opening.load_snapshot``: it decodes, and its state
+            passes §14): a snapshot open would skip licenses removing nothing."""
             try:
-                decode_state(payload)
+                load_snapshot(payload)
             except Exception:  # noqa: BLE001 - any failure means recovery would skip it
                 return False
             return True
 
         try:
-            return self.journal.compact(decodes)
+            return self.journal.compact(opens)
         except (OSError, KVStoreError) as exc:
             self._fail("compact", exc)
             raise StoreFailed(f"compact: {self._failed}") from exc

@@ -54,7 +54,7 @@ def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
     st.seq = seq
 
 
-def _load_snapshot(data: bytes) -> StoreState:
+def load_snapshot(data: bytes) -> StoreState:
     """A snapshot's state, judged before any record is applied to it: one that breaks §14
     (well-formed, on the log's CRC chain, and wrong: a bug, or written elsewhere) is refused
     like one that does not decode, so recovery falls back to an older snapshot or the log —
@@ -132,7 +132,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
         if jdir is not None:                                   # 3. read-only recovery
             state, last, res = recover_state(  # from the newest snapshot's segment on
                 jdir, schema_major=CODEC.schema[0], initial=StoreState,
-                load_snapshot=_load_snapshot, apply_record=_apply_record, repair=False,
+                load_snapshot=load_snapshot, apply_record=_apply_record, repair=False,
                 skipped=report.snapshots_skipped)
             report.records = last
             report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"

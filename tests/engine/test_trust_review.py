@@ -347,6 +347,29 @@ def test_a_compacted_log_under_a_broken_snapshot_is_refused(tmp_path: Path) -> N
     assert tree(tmp_path) == before
 
 
+def test_compact_keeps_what_a_snapshot_open_would_skip_needs(tmp_path: Path) -> None:
+    """Review repro: compact judged snapshots by whether they decode, so one that decodes but
+    breaks §14 licensed removing 5 segments — and open, which skips it, then had no log to
+    fall back to (JournalCorrupt). compact now asks what open asks."""
+    from ninfer_kv.engine.state import decode_state, encode_state
+
+    cfg = small_config(tmp_path, segment_bytes=512)
+    s = KVStore.open(cfg)
+    for _ in range(6):
+        s.release(checkpoint_at(s, 300))
+        step(s)
+    bad = decode_state(encode_state(s.state))
+    bad.pools["main"].reserved += 1          # decodes; breaks §14
+    assert s.journal is not None
+    s.journal.write_snapshot(encode_state(bad))
+    assert s.compact() == 0
+    s.close()
+    s2 = KVStore.open(cfg)
+    assert "breaks §14" in s2.recovery.snapshots_skipped[0]
+    assert s2.recovery.snapshot_seq == 0  # the whole log, replayed
+    s2.close()
+
+
 def test_recovered_state_must_pass_the_invariants(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The check after replay is the second line behind apply's refusals and the snapshot's
