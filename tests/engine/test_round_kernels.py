@@ -291,8 +291,8 @@ def test_apply_commit_refuses_a_damaged_membership(damage: str) -> None:
     would not see a change to it. Space 0 (seq 0) commits 3 pages' worth through a damaged
     membership; the arrays are views into larger ones, so a read or write past them lands in
     memory the test owns. Each refused, nothing changed: a length shorter than the row's
-    valid slots ("short"), past the row ("long": it would read space 1's row), a negative
-    slot wrapping onto the space's own page, a slot past the arrays."""
+    valid slots ("short"), past the row ("long": block 3 would read the slot after the
+    row), a negative slot wrapping onto the space's own page, a slot past the arrays."""
     members = np.full((2, 3), -1, np.int32)
     members[0] = [0, 1, 2]
     members[1] = [3, 4, 5]
