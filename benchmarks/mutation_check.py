@@ -117,7 +117,7 @@ TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
     Target("engine/apply*.py", "assert"),   # apply's refusals of a damaged journal's events
     Target("engine/page_life.py", "assert"),  # and its page half's (memberships, collection)
-    Target("engine/opening.py", "assert", ("load_snapshot",)),  # a snapshot breaking §14
+    Target("engine/invariants.py", "assert", ("load_snapshot",)),  # a snapshot breaking §14
     Target("engine/invariants.py", "check"),
     Target("engine/incremental*.py", "check"),
     Target("engine/host_arena.py", "check", ("ExtentAllocator.violations",)),

@@ -24,8 +24,9 @@ from ninfer_kv.engine.capacity import CapacityPlan
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
+from ninfer_kv.engine.invariants import load_snapshot
 from ninfer_kv.engine.lock import DirLock
-from ninfer_kv.engine.opening import load_snapshot, open_store
+from ninfer_kv.engine.opening import open_store
 from ninfer_kv.engine.state import StoreState, encode_state
 from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
 from ninfer_kv.journal import events as ev
@@ -183,8 +184,8 @@ class StoreCore:
         if self.journal is None:
             return 0
         def opens(payload: bytes) -> bool:
-            """Whether open would use it (``opening.load_snapshot``: it decodes, and its state
-            passes §14): a snapshot open would skip licenses removing nothing."""
+            """Whether open would use it (``invariants.load_snapshot``: it decodes, and its
+            state passes §14): a snapshot open would skip licenses removing nothing."""
             try:
                 load_snapshot(payload)
             except Exception:  # noqa: BLE001 - any failure means recovery would skip it

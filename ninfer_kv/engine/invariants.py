@@ -19,7 +19,7 @@ from ninfer_kv.engine import invariant_kernels as ik
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState
+from ninfer_kv.engine.state import StoreState, decode_state
 
 I64 = np.int64
 
@@ -41,6 +41,19 @@ def violations(st: StoreState) -> list[str]:
                    for sp in (st.pools[p].spaces.get(bid) for p in b.pools)):
                 out.append(f"active bundle {bid} has an inactive space")
     return out
+
+
+def load_snapshot(data: bytes) -> StoreState:
+    """A snapshot's state, judged before any record is applied to it: one that breaks §14
+    (well-formed, on the log's CRC chain, and wrong: a bug, or written elsewhere) is refused
+    like one that does not decode (``ValueError``). Open, compact and replay load snapshots
+    through this, so recovery falls back to an older snapshot or the log — the log, not a
+    snapshot derived from it, is the record of what was acknowledged."""
+    st = decode_state(data)
+    broken = violations(st)
+    if broken:
+        raise ValueError(f"its state breaks §14: {'; '.join(broken[:3])}")
+    return st
 
 
 def _leases(pool: PoolState, live: np.ndarray, out: list[str]) -> int:

@@ -31,9 +31,9 @@ from ninfer_kv.engine.capacity import CapacityPlan, geometry_mismatch
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
-from ninfer_kv.engine.invariants import violations
+from ninfer_kv.engine.invariants import load_snapshot, violations
 from ninfer_kv.engine.lock import lock_dirs
-from ninfer_kv.engine.state import StoreState, decode_state
+from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
@@ -52,18 +52,6 @@ def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
     for e in CODEC.decode(payload):
         apply(st, e)
     st.seq = seq
-
-
-def load_snapshot(data: bytes) -> StoreState:
-    """A snapshot's state, judged before any record is applied to it: one that breaks §14
-    (well-formed, on the log's CRC chain, and wrong: a bug, or written elsewhere) is refused
-    like one that does not decode, so recovery falls back to an older snapshot or the log —
-    the log, not a snapshot derived from it, is the record of what was acknowledged."""
-    st = decode_state(data)
-    broken = violations(st)
-    if broken:
-        raise ValueError(f"its state breaks §14: {'; '.join(broken[:3])}")
-    return st
 
 
 def _check_matches(state: StoreState, config: StoreConfig, plan: CapacityPlan,

@@ -10,8 +10,8 @@ from typing import Any
 
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.incremental import IncrementalChecker
-from ninfer_kv.engine.invariants import violations
-from ninfer_kv.engine.state import StoreState, decode_state, digest, to_snapshot
+from ninfer_kv.engine.invariants import load_snapshot, violations
+from ninfer_kv.engine.state import StoreState, digest, to_snapshot
 from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.recovery import usable_snapshots
@@ -93,9 +93,9 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
                                  f"oldest state this journal still holds (snapshot at "
                                  f"{cand.seq}; the log starts at {res.first_seq})")
         try:
-            st = decode_state(cand.payload)
-        except Exception as exc:  # a payload that does not decode is never trusted
-            why.append(f"snapshot {cand.seq}: payload does not decode: {exc!r}")
+            st = load_snapshot(cand.payload)
+        except Exception as exc:  # a payload that does not decode, or breaks §14: untrusted
+            why.append(f"snapshot {cand.seq}: payload refused: {exc!r}")
             continue
         return st, cand.seq + 1
     raise JournalCorrupt(res.segments[0].number if res.segments else 0, 0,

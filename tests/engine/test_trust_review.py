@@ -325,7 +325,8 @@ def test_a_snapshot_that_breaks_the_invariants_is_skipped(tmp_path: Path) -> Non
 
 def test_a_compacted_log_under_a_broken_snapshot_is_refused(tmp_path: Path) -> None:
     """With the records before it compacted away, nothing replaces the refused snapshot:
-    ``JournalCorrupt``, nothing written."""
+    ``JournalCorrupt``, nothing written; replay refuses it too (before: it replayed from
+    the broken state)."""
     from ninfer_kv.engine.state import decode_state, encode_state
     from ninfer_kv.journal.format import pack_snapshot, parse_snapshot
 
@@ -345,6 +346,8 @@ def test_a_compacted_log_under_a_broken_snapshot_is_refused(tmp_path: Path) -> N
     with pytest.raises(JournalCorrupt, match="no usable snapshot"):
         KVStore.open(s.config)
     assert tree(tmp_path) == before
+    with pytest.raises(JournalCorrupt, match="breaks §14"):  # replay judges it as open does
+        replay(str(tmp_path / "journal"))
 
 
 def test_compact_keeps_what_a_snapshot_open_would_skip_needs(tmp_path: Path) -> None:
