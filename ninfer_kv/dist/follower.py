@@ -38,7 +38,8 @@ from ninfer_kv.engine.capacity import geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
-from ninfer_kv.engine.state import decode_state, digest
+from ninfer_kv.engine.invariants import load_snapshot
+from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
 from ninfer_kv.journal import events as ev
@@ -122,10 +123,10 @@ class Follower:
             raise PlanMismatch("the leader's capacity plan differs from this follower's "
                                "(every TP rank opens the same shard_config; §3.3): "
                                + ("; ".join(differ) if differ else "leader has no plan"))
-        try:
-            state = decode_state(h.state)
-        except Exception as exc:  # noqa: BLE001 - any undecodable state is refused
-            raise RecordRefused(f"hello state does not decode: {exc}") from None
+        try:  # judged as open judges a snapshot: it decodes, and passes §14
+            state = load_snapshot(h.state)
+        except Exception as exc:  # noqa: BLE001 - any undecodable or broken state is refused
+            raise RecordRefused(f"hello state does not decode or breaks §14: {exc}") from None
         if digest(state) != h.digest or state.seq != h.seq:
             raise RecordRefused(f"hello state at seq {state.seq} has digest {digest(state)}, "
                                 f"the leader announced {h.digest} at seq {h.seq}")

@@ -22,6 +22,7 @@ from ninfer_kv.dist import (
     shard_config,
 )
 from ninfer_kv.dist.stream import MSG_MAGIC, VERSION, decode_hello, encode_hello, seal
+from ninfer_kv.engine.state import decode_state, digest, encode_state
 from ninfer_kv.errors import InvalidArgument, StoreClosed, StoreFailed
 from tests.dist import workers as w
 
@@ -254,6 +255,11 @@ def test_malformed_hellos_are_refused(pair) -> None:  # noqa: ANN001
     with pytest.raises(RecordRefused, match="hello state does not decode"):
         Follower.from_hello(store.config, encode_hello(msgspec.structs.replace(
             h, state=b"\x01garbage")))
+    broken = decode_state(h.state)        # decodes, digest announced to match, breaks §14
+    broken.pools["main"].reserved += 1
+    with pytest.raises(RecordRefused, match="breaks §14: main: reserved"):
+        Follower.from_hello(store.config, encode_hello(msgspec.structs.replace(
+            h, state=encode_state(broken), digest=digest(broken))))
     flipped = bytearray(_hello(store))
     flipped[len(flipped) // 3] ^= 4                   # e.g. the salt: now caught by the CRC
     with pytest.raises(RecordRefused, match="CRC"):
