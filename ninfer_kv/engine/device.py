@@ -76,16 +76,23 @@ class DeviceState:
         pd = self.pools[p.name]
         bad, done = publish_rows(bundles, starts, p.bundle_index, p.sp_active, p.sp_row,
                                  p.sp_members, p.sp_nmem, p.pg_device, pd.host_tables,
-                                 pd.published)
+                                 pd.published, p.pg_live)
         if self.device.type != "cpu":
             for r, start, hi in done.tolist():
                 if hi > start:
                     pd.block_tables[r, start:hi].copy_(
                         torch.from_numpy(pd.host_tables[r, start:hi]), non_blocking=True)
         if bad >= 0:
-            raise AssertionError(f"pool {p.name}: seq {int(bundles[bad])} holds execution row "
-                                 f"{int(p.sp_row[p.bundle_index[bundles[bad]]])}, outside the "
-                                 f"{len(pd.host_tables)} rows of its table (§7.2)")
+            k = p.bundle_index[bundles[bad]]
+            row, nmem = int(p.sp_row[k]), int(p.sp_nmem[k])
+            if not 0 <= row < len(pd.host_tables):
+                raise AssertionError(f"pool {p.name}: seq {int(bundles[bad])} holds execution "
+                                     f"row {row}, outside the {len(pd.host_tables)} rows of "
+                                     "its table (§7.2)")
+            raise AssertionError(f"pool {p.name}: seq {int(bundles[bad])}'s membership of "
+                                 f"{nmem} pages is longer than its table row, or names a "
+                                 "slot that is no live page (§14): publishing it would map "
+                                 "another page")
 
     def planes(self, pool: str) -> list[torch.Tensor]:
         """Every plane of every layer of a pool (the page group's payload)."""

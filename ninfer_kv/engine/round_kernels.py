@@ -117,7 +117,7 @@ def grow_plan(bundles: np.ndarray, idx: np.ndarray, tokens: np.ndarray, sp_nmem:
 def publish_rows(bundles: np.ndarray, starts: np.ndarray, bundle_index: np.ndarray,
                  sp_active: np.ndarray, sp_row: np.ndarray, sp_members: np.ndarray,
                  sp_nmem: np.ndarray, pg_device: np.ndarray, host_tables: np.ndarray,
-                 published: np.ndarray) -> tuple[int, np.ndarray]:
+                 published: np.ndarray, pg_live: np.ndarray) -> tuple[int, np.ndarray]:
     """The boundary's table-slice writes (``DeviceState.write_table`` for a batch, §13): the
     row of sequence ``bundles[j]`` gets the device pages of its blocks ``starts[j]..`` and the
     entries after them that an earlier write mapped are unmapped. A sequence without an
@@ -125,7 +125,9 @@ def publish_rows(bundles: np.ndarray, starts: np.ndarray, bundle_index: np.ndarr
 
     Returns (-1, rows) where rows[k] = (row, start, end of what changed), one per row written
     (the caller copies ``[start, end)`` to a device table), or (j, _) when sequence j's row
-    lies outside the table, which only a damaged state holds (nothing written from j on)."""
+    lies outside the table, its membership is longer than the row, or a block to write names
+    a slot that is no live page — which only a damaged state holds (nothing written from j
+    on): the table would map another sequence's page group, or be written past its row."""
     out = np.empty((bundles.shape[0], 3), np.int64)
     n = 0
     for j in range(bundles.shape[0]):
@@ -138,7 +140,13 @@ def publish_rows(bundles: np.ndarray, starts: np.ndarray, bundle_index: np.ndarr
         r, start = sp_row[k], starts[j]
         if r < 0 or r >= host_tables.shape[0]:
             return j, out[:n]
+        if sp_nmem[k] > host_tables.shape[1] or sp_nmem[k] > sp_members.shape[1]:
+            return j, out[:n]
         end = max(start, sp_nmem[k])
+        for i in range(start, end):
+            s = sp_members[k, i]
+            if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:
+                return j, out[:n]
         for i in range(start, end):
             host_tables[r, i] = pg_device[sp_members[k, i]]
         hi = max(end, published[r])

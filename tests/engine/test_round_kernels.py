@@ -465,7 +465,7 @@ def test_publish_rows_matches_oracle(args):
                           sp_row.tolist(), members.tolist(), nmem.tolist(), device.tolist(),
                           want_t, want_p)
     bad, done = rk.publish_rows(b, s, bundle_index, sp_active, sp_row, members, nmem, device,
-                                tables, published)
+                                tables, published, np.ones(len(device), np.bool_))
     assert (bad, done.tolist()) == want
     assert tables.tolist() == want_t and published.tolist() == want_p
 
@@ -480,9 +480,36 @@ def test_publish_rows_stops_at_a_row_outside_the_table() -> None:
     for row in (2, -1):
         bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), bundle_index,
                                     np.array([True, True]), np.array([row, 1], I64), members,
-                                    np.array([1, 1], I64), np.array([7], I64), tables, published)
+                                    np.array([1, 1], I64), np.array([7], I64), tables, published,
+                                    np.ones(1, np.bool_))
         assert (bad, done.tolist()) == (0, [])
         assert (tables == -1).all() and (published == 0).all()
+
+
+@pytest.mark.parametrize("damage", ["dead", "negative", "past the pages", "past the row"])
+def test_publish_rows_stops_at_a_damaged_membership(damage: str) -> None:
+    """Seq 1's membership (row 1) is damaged; seq 0's row is written and reported, seq 1's
+    is not touched. Unchecked, a negative slot wraps onto another page group and a length
+    past the row writes into the next row's memory (views into a larger table here)."""
+    bundle_index = np.array([0, 1], I64)
+    members = np.array([[0, 1], [2, 3], [0, 0]], np.int32)[:2]  # [1, 2] reads a live slot 0
+    nmem = np.array([2, 2], I64)
+    live = np.ones(4, np.bool_)
+    big = np.full((3, 2), -1, I64)
+    tables, published = big[:2], np.zeros(2, I64)
+    if damage == "dead":
+        live[3] = False
+    elif damage == "negative":
+        members[1, 1] = 1 - len(live)     # wraps onto slot 1, seq 0's page
+    elif damage == "past the pages":
+        members[1, 1] = len(live)
+    else:
+        nmem[1] = 3
+    bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), bundle_index,
+                                np.array([True, True]), np.array([0, 1], I64), members, nmem,
+                                np.array([10, 11, 12, 13, 14], I64), tables, published, live)
+    assert (bad, done.tolist()) == (1, [[0, 0, 2]])
+    assert big.tolist() == [[10, 11], [-1, -1], [-1, -1]] and published.tolist() == [2, 0]
 
 
 @st.composite

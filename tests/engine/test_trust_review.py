@@ -497,6 +497,24 @@ def test_a_boundary_stops_on_an_execution_row_outside_the_table(tmp_path: Path) 
     assert (pd.host_tables == before).all()
 
 
+def test_a_boundary_stops_on_a_membership_naming_another_page(tmp_path: Path) -> None:
+    """The same for a membership (damaged in memory: only a bug gets there, since open checks
+    §14 first) whose new block names a negative slot: numba would wrap it onto another
+    sequence's page and map that page group into this sequence's row."""
+    s = KVStore.open(small_config(tmp_path))
+    a, b = s.activate(100, 100), s.activate(100, 100)
+    s.ensure_mapped_many("main", [a, b], [64, 64])
+    step(s)
+    p, pd = s.state.pools["main"], s.device.pools["main"]
+    s.ensure_mapped_many("main", [a], [100])             # a's block 1, published at the step
+    before = pd.host_tables.copy()
+    i = p.spaces[a].i
+    p.sp_members[i, 1] = p.spaces[b].member(0) - len(p.pg_live)   # damage: wraps onto b's page
+    with pytest.raises(StoreFailed, match="names a slot that is no live page"):
+        step(s)
+    assert (pd.host_tables == before).all()
+
+
 @pytest.mark.parametrize("damage", ["new extent", "replaced extent", "dead slot"])
 def test_a_host_publish_refused_changes_nothing(tmp_path: Path, damage: str) -> None:
     """Review finding: a HostPublish whose pending transfer names an extent that is not
