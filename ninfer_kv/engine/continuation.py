@@ -44,7 +44,6 @@ from ninfer_kv.journal import events as ev
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
 
-_EFFECTS = (ev.CopyTail, ev.DeviceRestore)
 
 STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
 """The eight activation steps of spec §7.3, in order (fault-injection labels)."""
@@ -171,6 +170,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             hook("publish", pl.pool)
     # --- everything is planned: emit -------------------------------------------------------------
     events: list[Any] = []
+    effects: list[Any] = []  # device copies the boundary runs, in emission order
     for pl in plans:
         pool, f = pl.pool, pl.frontier
         events.append(ev.Activate(dst, pool, pl.entitlement, pl.row, total, prompt_tokens,
@@ -182,24 +182,24 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
             events.append(ev.Pin(pool, ev.pack(read)))
         if pl.restored:
             slots = list(pl.restored)
-            events.append(ev.DeviceRestore(pool, ev.pack(slots),
-                                           ev.pack([pl.restored[x] for x in slots])))
+            effects.append(ev.DeviceRestore(pool, ev.pack(slots),
+                                            ev.pack([pl.restored[x] for x in slots])))
+            events.append(effects[-1])
         if pl.move:
             events.append(ev.Move(checkpoint, dst, pool, f))
         else:
             events.append(ev.Fork(checkpoint, dst, pool, f // P, f))
             if pl.tail:
                 slot, page, src_slot, src_page = pl.cow
-                events.append(ev.CopyTail(dst, pool, slot, page, src_slot, src_page, f % P))
+                effects.append(ev.CopyTail(dst, pool, slot, page, src_slot, src_page, f % P))
+                events.append(effects[-1])
     events.append(ev.PublishActive(dst))
     if not keep_source and any(not pl.move for pl in plans):
         events.extend(ev.Release(checkpoint, pl.pool) for pl in plans if not pl.move)
     store._emit(*events)
-    copies = any(pl.tail or pl.restored for pl in plans)
-    for e in events if copies else ():
-        if type(e) in _EFFECTS:  # device copies the boundary runs, in emission order
-            store._effects.append(e)
-            store.stats["cow_copies"] += type(e) is ev.CopyTail
+    if effects:
+        store._effects.extend(effects)
+        store.stats["cow_copies"] += sum(type(e) is ev.CopyTail for e in effects)
     for pl in plans:
         store._touch(pl.pool, dst, 0)
     return dst

@@ -87,6 +87,14 @@ class FreeIds:
 
     def lowest(self, n: int) -> list[int]:
         """The ``n`` lowest free ids, ascending (fewer if fewer are free)."""
+        if n == 1:  # one id (a COW tail's slot and page): probe from ``lo`` before the scan
+            if not self.n:
+                return []
+            bits, lo = self.bits, self.lo
+            for i in range(lo, min(lo + 4, len(bits))):
+                if bits[i]:
+                    self.lo = i  # nothing below i is free
+                    return [i]
         return self.lowest_array(n).tolist()
 
     def lowest_array(self, n: int) -> np.ndarray:

@@ -260,6 +260,9 @@ class PoolState:
 
     def pick_slots(self, n: int) -> list[int]:
         """The n slots a command will use: lowest free ones, then fresh ones."""
+        if n == 1:  # a COW tail's slot: no array
+            got = self.free_slots.lowest(1)
+            return got or [self.n_slots]
         return self.pick_slot_array(n).tolist()
 
     def pick_slot_array(self, n: int) -> np.ndarray:
