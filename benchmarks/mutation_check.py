@@ -198,7 +198,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                           "tests/engine/test_apply_materialize.py",
                           "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
-                          *ENGINE], MACHINE) for g in ("engine/apply*.py", "engine/page_life.py")),
+                          *ENGINE], MACHINE) for g in ("engine/apply*.py", "engine/page_life*.py")),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/frames.py", ["tests/journal/test_frames.py", *JOURNAL], []),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),

@@ -1,6 +1,6 @@
 """``apply``'s page bookkeeping loops, compiled (numba ``njit``; spec §5.1, §5.3, §8.1, §9).
 
-These kernels *write* the pool's arrays, and only ``apply`` (engine/apply.py,
+These kernels *write* the pool's arrays, and only ``apply`` (engine/apply*.py,
 engine/page_life.py) calls them, so ``apply`` stays the only mutator. Each checks what a
 damaged journal could break before it writes (and then returns a code, or the first bad
 element, with nothing changed), because numba does not bounds-check: the command side checks
@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.page_life_kernels import membership_fault
 from ninfer_kv.engine.round_kernels import OK
 from ninfer_kv.kernels.jit import njit
 
@@ -153,20 +154,6 @@ def append_members(idx: np.ndarray, slots: np.ndarray, sp_members: np.ndarray,
 
 
 @njit(nogil=True)
-def dead_slots(slots: np.ndarray, pg_refs: np.ndarray, pg_pins: np.ndarray) -> np.ndarray:
-    """The distinct slots of ``slots`` with no reference and no pin (garbage, §5.3),
-    ascending."""
-    out = np.empty(slots.shape[0], np.int64)
-    k = 0
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if pg_refs[s] == 0 and pg_pins[s] == 0:
-            out[k] = s
-            k += 1
-    return np.unique(out[:k])
-
-
-@njit(nogil=True)
 def take_new_pages(slots: np.ndarray, devs: np.ndarray, n_slots: int, slot_bits: np.ndarray,
                    page_bits: np.ndarray, pg_live: np.ndarray) -> tuple[int, int, int, int]:
     """The free-list half of ``materialize`` (``apply(Materialize)``), in event order: slot
@@ -233,127 +220,6 @@ def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, act
         pg_writer[s] = writers[j]
         pg_device[s] = devs[j]
         pg_pins[s] = 0
-
-
-@njit(nogil=True)
-def unref_slots(slots: np.ndarray, bundle: int, active: bool, pg_live: np.ndarray,
-                pg_refs: np.ndarray, pg_active: np.ndarray, pg_writer: np.ndarray,
-                pg_pins: np.ndarray, pg_device: np.ndarray, page_bits: np.ndarray,
-                slot_bits: np.ndarray) -> int:
-    """A space drops its references to ``slots`` (an active space also its writer right):
-    ``unref``'s counting half, a slot listed twice counted twice. Refused whole (the first
-    bad index returned, nothing changed; -1 when done) unless every slot is a live page
-    holding a reference (a membership holds live pages only, §14) and every page left
-    without references or pins can be freed (``freeable``: ``collect`` then cannot fail)."""
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if s < 0 or s >= pg_live.shape[0] or not pg_live[s] or pg_refs[s] <= 0:
-            return j
-    for j in range(slots.shape[0]):
-        pg_refs[slots[j]] -= 1
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if pg_refs[s] > 0 or (pg_refs[s] == 0 and pg_pins[s] != 0):
-            continue
-        d = pg_device[s]  # garbage (or refs below zero): freeable(s), inlined
-        if pg_refs[s] < 0 or s >= slot_bits.shape[0] or slot_bits[s] or (
-                d != -1 and (d < 0 or d >= page_bits.shape[0] or page_bits[d])):
-            for k in range(slots.shape[0]):  # undone: the counts as they were
-                pg_refs[slots[k]] += 1
-            return j
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if active:
-            pg_active[s] -= 1
-            if pg_writer[s] == bundle:
-                pg_writer[s] = -1
-    return -1
-
-
-@njit(nogil=True)
-def membership_fault(slots: np.ndarray, pg_live: np.ndarray) -> int:
-    """-1 when ``slots`` (a membership, by logical block) names distinct live pages (§14), else
-    the first block naming a slot outside the pool, a dead page, or (then) one an earlier block
-    names too. numba indexes without bounds checks and wraps a negative index, so every
-    handler reads a membership through this (``page_life.members_of``) before it writes."""
-    n = slots.shape[0]
-    for k in range(n):
-        s = slots[k]
-        if s < 0 or s >= pg_live.shape[0] or not pg_live[s]:
-            return k
-    if n < 2:
-        return -1
-    lo, hi = slots.min(), slots.max()
-    seen = np.zeros(((hi - lo) >> 6) + 1, np.uint64)  # a bit per slot in [lo, hi]: O(n)
-    for k in range(n):
-        d = slots[k] - lo
-        bit = np.uint64(1) << np.uint64(d & 63)
-        if seen[d >> 6] & bit:
-            return k
-        seen[d >> 6] |= bit
-    return -1
-
-
-@njit(nogil=True)
-def first_unfreeable(slots: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
-                     page_bits: np.ndarray, slot_bits: np.ndarray) -> int:
-    """The first index of ``slots`` that is not ``freeable``, or -1."""
-    for j in range(slots.shape[0]):
-        if not freeable(slots[j], pg_live, pg_device, page_bits, slot_bits):
-            return j
-    return -1
-
-
-@njit(nogil=True)
-def freeable(s: int, pg_live: np.ndarray, pg_device: np.ndarray, page_bits: np.ndarray,
-             slot_bits: np.ndarray) -> bool:
-    """Slot ``s`` is a live page whose slot and device page group (if any) are leased, so
-    garbage collection can give both back (§5.3). ``unref_slots`` and ``free_dead`` inline
-    this test: a call per slot costs ~45 ns there (numba does not inline it), 4x their loop."""
-    if s < 0 or s >= slot_bits.shape[0] or s >= pg_live.shape[0]:
-        return False
-    if not pg_live[s] or slot_bits[s]:
-        return False
-    d = pg_device[s]
-    if d == -1:
-        return True
-    if d < 0 or d >= page_bits.shape[0]:
-        return False
-    return not page_bits[d]
-
-
-@njit(nogil=True)
-def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
-              pg_gen: np.ndarray, page_bits: np.ndarray, slot_bits: np.ndarray
-              ) -> tuple[int, int, int, int]:
-    """``collect``'s freeing half for the distinct garbage slots ``dead``: device page groups
-    and slots back to their free lists, generations advanced (§5.3). Checked first: every
-    slot live and not free, every page group in range and not free — else (j, 0, 0, 0) with
-    the first bad index and nothing changed. Returns (-1, page groups freed, lowest page
-    group freed or -1, lowest slot)."""
-    for j in range(dead.shape[0]):
-        s = dead[j]  # freeable(s), inlined
-        if s < 0 or s >= slot_bits.shape[0] or s >= pg_live.shape[0]:
-            return j, 0, 0, 0
-        d = pg_device[s]
-        if not pg_live[s] or slot_bits[s] or (d != -1 and (d < 0 or d >= page_bits.shape[0]
-                                                            or page_bits[d])):
-            return j, 0, 0, 0
-    freed = 0
-    low = -1
-    for j in range(dead.shape[0]):
-        s = dead[j]
-        d = pg_device[s]
-        if d != -1:
-            page_bits[d] = True
-            freed += 1
-            if low < 0 or d < low:
-                low = d
-        pg_device[s] = -1
-        pg_live[s] = False
-        pg_gen[s] += 1
-        slot_bits[s] = True
-    return -1, freed, low, dead[0] if dead.shape[0] else -1
 
 
 NO_SPACE, INACTIVE, NO_GROUP = 1, 2, 3

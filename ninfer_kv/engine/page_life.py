@@ -1,5 +1,5 @@
 """A logical page's life in the pool's arrays (spec §5.1, §5.3): born into a free slot with
-a device lease (``apply.new_members``, one compiled call), referenced by memberships, and
+a device lease (``new_members``, one compiled call), referenced by memberships, and
 collected — device lease and host replica freed, slot recycled with its generation advanced
 — when no reference and no pin is left (``unref``, ``collect``). Only ``apply`` calls these:
 they are the array half of its handlers, kept apart so that apply.py reads as the list of
@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer_kv.engine import apply_kernels as ak
+from ninfer_kv.engine import page_life_kernels as plk
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
+from ninfer_kv.journal.events import unpack
 
 I64 = np.int64
 
@@ -23,11 +25,11 @@ def collect(st: StoreState, pool: PoolState, slots: np.ndarray) -> None:
     and host replicas and recycle the slots, advancing their generations (§5.3). A garbage
     slot that is not live, or whose slot or page group is free already, is a damaged journal:
     ``ValueError``, nothing freed."""
-    dead = ak.dead_slots(slots, pool.pg_refs, pool.pg_pins)
+    dead = plk.dead_slots(slots, pool.pg_refs, pool.pg_pins)
     if not len(dead):
         return
     hosted = dead[pool.pg_host_off[dead] >= 0] if pool.host_of else dead[:0]
-    j, freed, low, low_slot = ak.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
+    j, freed, low, low_slot = plk.free_dead(dead, pool.pg_live, pool.pg_device, pool.pg_gen,
                                            pool.free_pages.bits, pool.free_slots.bits)
     if j >= 0:
         raise ValueError(f"{pool.name}: freeing slot {int(dead[j])} (page group "
@@ -54,7 +56,7 @@ def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle
     slots = np.asarray(slots, I64)
     if pool.host_of:
         host_extents_live(st, pool, slots, f"seq {bundle} drops")
-    j = ak.unref_slots(slots, bundle, active, pool.pg_live, pool.pg_refs, pool.pg_active,
+    j = plk.unref_slots(slots, bundle, active, pool.pg_live, pool.pg_refs, pool.pg_active,
                        pool.pg_writer, pool.pg_pins, pool.pg_device, pool.free_pages.bits,
                        pool.free_slots.bits)
     if j >= 0:
@@ -69,7 +71,7 @@ def collectable(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -
     leased, its host replica (if any) in a live extent — so a ``collect`` after the caller's
     changes cannot fail half way. Else (a damaged state) ``ValueError``; called before a
     handler changes anything."""
-    j = ak.first_unfreeable(slots, pool.pg_live, pool.pg_device, pool.free_pages.bits,
+    j = plk.first_unfreeable(slots, pool.pg_live, pool.pg_device, pool.free_pages.bits,
                             pool.free_slots.bits)
     if j >= 0:
         s = int(slots[j])
@@ -109,9 +111,50 @@ def members_of(pool: PoolState, sp: KVAddressSpace, what: str) -> np.ndarray:
         raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: a membership of {n} "
                          f"pages, outside [0, its row's {pool.sp_members.shape[1]}] (§14)")
     slots = pool.sp_members[sp.i, :n].astype(I64)
-    k = ak.membership_fault(slots, pool.pg_live)
+    k = plk.membership_fault(slots, pool.pg_live)
     if k >= 0:
         raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: block {k} names slot "
                          f"{int(slots[k])}, no live page or one an earlier block names (a "
                          "membership holds distinct live pages, §14)")
     return slots
+
+
+def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, what: str) -> None:
+    """``bundles[i]`` gains a new private page in slot ``slots[i]`` leasing ``pages[i]`` (the
+    packed int32 fields of a Materialize, or one CopyTail's): one compiled call
+    (``apply_kernels.materialize``), or two when the arrays must grow first; nothing changes
+    on a refusal."""
+    assert not (pool.host_of and any(s in pool.host_of for s in unpack(slots).tolist())), \
+        f"{pool.name}: a new page's slot still records a host replica"
+    fs, fp = pool.free_slots, pool.free_pages
+    for _ in range(2):
+        code, j, x, y, z = ak.materialize(
+            bundles, slots, pages, pool.n_slots, pool.logical_pages, pool.bundle_index,
+            pool.sp_active, pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live,
+            pool.pg_epoch, pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active,
+            pool.pg_writer, pool.pg_device, pool.pg_pins)
+        if code != ak.NO_ROOM:
+            break
+        pool.ensure_members(x)
+        pool.ensure_slot(y - 1)
+    if code == ak.OK:
+        fs.n -= x
+        fp.n -= y
+        pool.n_slots = z
+        pool.reserved -= len(bundles) // 4
+        return
+    name = pool.name
+    assert code != ak.LENGTHS, (f"{what} of {name}: {len(bundles)}, {len(slots)} and "
+                                f"{len(pages)} bytes of seqs, slots and page groups "
+                                "(int32 each)")
+    b, sl, devs = unpack(bundles), unpack(slots), unpack(pages)
+    assert code != ak.NO_SPACE, f"{what} for seq {int(b[j])}, which has no space in {name}"
+    assert code != ak.INACTIVE, f"{what} of {name}: into an inactive checkpoint"
+    assert code != ak.NO_GROUP, f"{what} of {name}: a new page without a page group (§8.1)"
+    assert code != ak.BAD_LENGTH, f"{what} for seq {int(b[j])}: a membership of negative length"
+    assert code != ak.TOO_WIDE, \
+        f"{what} of {name}: a membership of {x} pages, past L={pool.logical_pages} (§14)"
+    raise AssertionError(
+        f"{what} of {name}: new page {j} in slot {int(sl[j])} with page group "
+        f"{int(devs[j])}: the slot is neither free (and dead) nor the next unused one "
+        f"({pool.n_slots} + pages before it), or the page group is not free (§5.2)")

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.apply import apply, new_members
+from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.page_life import new_members
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import page_tuples

@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import apply_kernels as ak
+from ninfer_kv.engine import page_life_kernels as plk
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
@@ -367,7 +368,7 @@ def test_membership_fault_names_the_first_bad_block(slots, live):
     want = next((k for k, x in enumerate(slots) if not (0 <= x < 8 and live[x])), None)
     if want is None:
         want = next((k for k, x in enumerate(slots) if x in slots[:k]), -1)
-    assert ak.membership_fault(np.array(slots, I64), np.array(live)) == want
+    assert plk.membership_fault(np.array(slots, I64), np.array(live)) == want
 
 
 @settings(max_examples=300, deadline=None)
