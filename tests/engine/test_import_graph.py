@@ -100,3 +100,14 @@ def test_the_engine_import_graph_has_no_cycle() -> None:
 
 def test_the_package_import_graph_has_no_cycle() -> None:
     assert find_cycle(graph(), "ninfer_kv") is None, find_cycle(graph(), "ninfer_kv")
+
+
+MAX_LINES = 400
+"""#12: "no module over ~400 lines" — a file past it usually holds two ideas; split it by
+idea (apply.py / apply_checkpoints.py / page_life.py are one example)."""
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in sorted(ROOT.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
