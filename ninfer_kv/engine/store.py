@@ -55,10 +55,13 @@ _MTP = PoolKind.MTP.value
 class KVStore(StoreCore):
     """The storage engine. Open with :meth:`open`; not thread-safe (one engine loop).
 
-    Lifecycle: open -> (commands, boundaries)* -> close. After ``close()`` every call raises
-    ``StoreClosed``. After any failed write, fsync, msync, device effect or apply the store is
-    *failed* (fail-stop, like PostgreSQL's fsync PANIC): every later mutating call raises
-    ``StoreFailed`` until it is reopened, which recovers from the journal."""
+    Lifecycle: open -> (commands, boundaries)* -> close. After ``close()`` every command, the
+    boundary and the views into device memory raise ``StoreClosed``; the queries still answer
+    from the final in-memory state (no I/O: the journal and its lock are released, so another
+    process may have changed the store since). After any failed write, fsync, msync, device
+    effect or apply the store is *failed* (fail-stop, like PostgreSQL's fsync PANIC): every
+    later mutating call raises ``StoreFailed`` until it is reopened, which recovers from the
+    journal."""
 
     # --- lookups ------------------------------------------------------------------------------
     @property
@@ -271,22 +274,16 @@ class KVStore(StoreCore):
     def checkpoint_info(self, bundle: int) -> info.CheckpointInfo:
         """Frontier, residency per pool (device/host pages and bytes), whether it survives a
         restart, and its metadata — for an active sequence or a checkpoint."""
-        if self._closed:
-            raise StoreClosed("checkpoint_info refused: the store is closed")
         return info.checkpoint_info(self, as_int("checkpoint", bundle))
 
     def sole_device_pages(self, bundle: int) -> int:
         """Device pages only ``bundle`` references, over its pools: what releasing it frees
         (``checkpoint_info``'s per-pool ``sole_device_pages``, without the rest of it)."""
-        if self._closed:
-            raise StoreClosed("sole_device_pages refused: the store is closed")
         return info.sole_device_pages(self, as_int("checkpoint", bundle))
 
     def reclaimable(self, bundles: Sequence[int]) -> dict[int, int]:
         """Per bundle: its device pages only ``bundles`` reference — what releasing all of
         them together frees of it (pages co-held by several checkpoints and nothing else)."""
-        if self._closed:
-            raise StoreClosed("reclaimable refused: the store is closed")
         return info.reclaimable(self, [as_int("checkpoint", b) for b in bundles])
 
     def metrics(self) -> info.StoreMetrics:

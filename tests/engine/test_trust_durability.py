@@ -237,10 +237,12 @@ def test_a_journal_without_its_first_segment_is_refused_typed(tmp_path: Path) ->
 
 # --- 15. a closed store refuses every command; it still reads its final state ---------------------
 # What a closed store still answers: its final in-memory state, read only (no I/O, no device
-# memory). Everything else -- every command, the boundary, the views into device memory and
-# the checkpoint queries -- refuses with StoreClosed. A new public method must be listed.
+# memory) -- every query, the checkpoint queries included. Everything else -- every command,
+# the boundary, the views into device memory -- refuses with StoreClosed. A new public method
+# must be listed.
 ANSWERS_WHEN_CLOSED = {"active", "checkpoints", "digest", "occupancy", "space", "handles", "page",
                        "check_invariants", "violations", "metrics", "entitlement_pages",
+                       "checkpoint_info", "sole_device_pages", "reclaimable",
                        "unit_complete", "close", "closed", "failed", "pools", "open"}
 
 
@@ -252,14 +254,14 @@ def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
     s.close()  # idempotent
     refused = {
         "activate": (10, 10), "activate_from": (ck, 10, 10, 10), "batch_view": ("main", 0),
-        "boundary": (), "checkpoint_info": (ck,), "close_boundary": (), "commit": (a, "main", 1),
+        "boundary": (), "close_boundary": (), "commit": (a, "main", 1),
         "commit_many": ("main", [a], [1]), "compact": (), "drop_device": (ck,),
         "drop_host": (ck,), "ensure_mapped": (a, "main", 64),
         "ensure_mapped_many": ("main", [a], [64]), "finish": (a,), "fork_live": (a, 10),
-        "grow": (), "layer_view": (a, "main", 0), "offload": (ck,), "reclaimable": ([ck],),
+        "grow": (), "layer_view": (a, "main", 0), "offload": (ck,),
         "release": (ck,), "release_tail": (ck, 0), "set_metadata": (ck, None),
         "set_provisional": (a, "main", 1), "set_provisional_many": ("main", [a], [1]),
-        "share_prefix": (a,), "snapshot": (), "sole_device_pages": (ck,),
+        "share_prefix": (a,), "snapshot": (),
         "table_rows": ("main", [a]), "trim": (a, "main"), "truncate": (a, "main", 0)}
     public = {n for n in dir(KVStore) if not n.startswith("_")}
     assert public == set(refused) | ANSWERS_WHEN_CLOSED, \
@@ -273,6 +275,9 @@ def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
             if name == "boundary":  # a context manager: refused when entered
                 result.__enter__()
     assert s.digest() and s.checkpoints() == [ck]  # the final state still reads
+    info = s.checkpoint_info(ck)  # so do the checkpoint queries (arrays in memory)
+    assert info.survives_restart is False and s.sole_device_pages(ck) == 1
+    assert s.reclaimable([ck]) == {ck: 1}
 
 
 # --- 16. file modes, symlinks, temp files ---------------------------------------------------------------
