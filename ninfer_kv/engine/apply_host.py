@@ -112,6 +112,9 @@ def host_drop(st: StoreState, e: ev.HostDrop) -> None:
     _live(pool, sl, "HostDrop")
     assert len(set(sl)) == len(sl) and all(s in pool.host_of for s in sl), \
         f"HostDrop of {e.pool}: slots {sl[:4]} repeat or hold no host replica"
+    assert all(pool.pg_device[s] != NO_PAGE for s in sl), \
+        f"HostDrop of {e.pool}: slots {sl[:4]} include a Host-only page, which would be lost " \
+        "(§5.1: drop_host keeps a replica)"
     collectable(st, pool, slots.astype(I64), "HostDrop of")
     for slot in sl:
         st.host.free(int(pool.pg_host_off[slot]))  # type: ignore[union-attr]

@@ -20,8 +20,9 @@ with apply's own bookkeeping, so a bug in apply that corrupts a derived counter 
 * pages: generation == slot generation; ``refs`` / ``active_refs`` == own membership counts; no
   membership names a dead slot; ``0 <= protected <= committed <= P``; a writer is an active
   member and the page is private (§9.4); a member of an active space has a device replica;
-  ``pins`` == own pending host transfers + queued copies (and ``copy_pins`` agrees); a page with
-  no reference, pin or replica is recycled; a live slot is not on the free-slot list;
+  ``pins`` == own pending host transfers + queued copies (and ``copy_pins`` agrees); a page
+  with a reference or pin has a device or host replica (§5.1); a page with no reference, pin
+  or replica is recycled; a live slot is not on the free-slot list;
 * host (``incremental_host``): extents tile the arena around every touched offset, the size
   index agrees, ``free + own live bytes == capacity``; each live extent is owned once (a
   pending transfer's or one page's replica of the pool's size), nothing leaks;

@@ -227,6 +227,9 @@ def _word(pm: PoolMirror, rows: list[list[int]], out: list[str]) -> None:
             out.append(f"page {pm.name}:{a} pins {b} != pending transfers and queued copies {c}")
         elif kind == ik.K_NOT_RECYCLED:
             out.append(f"page {a} has no reference, pin or replica but is not recycled")
+        elif kind == ik.K_LOST:
+            out.append(f"page {a} is held but has neither a device nor a host replica (lost, "
+                       "§5.1)")
         else:
             assert kind == ik.K_MIRROR_SHORT, kind
             raise IndexError(f"slot {a} is past the checker's index of {pm.name} "

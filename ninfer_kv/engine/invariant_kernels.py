@@ -214,7 +214,7 @@ def check_blocks(members: np.ndarray, nmem: int, c: int, lo: int, hi: int, k: in
 # check_slots' rows: (kind, a, b, c); incremental_index.check_pages words them in order
 (K_RELEASED_NOT_FREE, K_OUT_OF_RANGE, K_DOUBLE_LEASE, K_LEASE_OUTSIDE, K_ON_FREE_LIST,
  K_FREE_SLOT_LIVE, K_DEAD_REFS, K_REFS, K_ACTIVE_REFS, K_COLUMNS, K_WRITER, K_SHARED_WRITER,
- K_NO_DEVICE, K_PINS, K_NOT_RECYCLED, K_MIRROR_SHORT, K_WRITER_NOT_MEMBER) = range(1, 18)
+ K_NO_DEVICE, K_PINS, K_NOT_RECYCLED, K_MIRROR_SHORT, K_WRITER_NOT_MEMBER, K_LOST) = range(1, 19)
 NO = -1  # pages.NO_PAGE (a slot without a device lease; a page without a writer)
 
 
@@ -247,7 +247,7 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
     leased = 0
     nfp = free_page_bits.shape[0]
     for j in range(slots.shape[0]):
-        if n + 12 > rows.shape[0]:  # at most 12 rows per slot
+        if n + 16 > rows.shape[0]:  # at most 13 rows per slot
             grown = np.empty((2 * rows.shape[0], 4), np.int64)
             grown[:n] = rows[:n]
             rows = grown
@@ -328,5 +328,8 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
             n += 1
         if pr == 0 and pins == 0 and pg_host_off[s] < 0:
             rows[n, 0], rows[n, 1] = K_NOT_RECYCLED, s
+            n += 1
+        elif new == NO and pg_host_off[s] < 0:  # held (a reference or a pin), on no tier
+            rows[n, 0], rows[n, 1] = K_LOST, s
             n += 1
     return rows[:n], leased

@@ -157,8 +157,8 @@ def _block_messages(pool: PoolState, bundles: np.ndarray, idx: np.ndarray,
 def _pages(pool: PoolState, live: np.ndarray, refs: np.ndarray, active_refs: np.ndarray,
            active_keys: np.ndarray, size: int, out: list[str]) -> None:
     """Each live page: references and active references equal the memberships that hold
-    it, columns in range, its writer an active member and the page private (§9.4), and a
-    page nothing holds is recycled."""
+    it, columns in range, its writer an active member and the page private (§9.4), a page
+    something holds has a replica on some tier (§5.1), and a page nothing holds is recycled."""
     pr, pa = pool.pg_refs[live], pool.pg_active[live]
     prot, comm, w = pool.pg_protected[live], pool.pg_committed[live], pool.pg_writer[live]
     for s in live[pr != refs[live]].tolist():
@@ -175,8 +175,11 @@ def _pages(pool: PoolState, live: np.ndarray, refs: np.ndarray, active_refs: np.
     for s in live[has & (pr > 1)].tolist():
         out.append(f"page {s} is shared ({int(pool.pg_refs[s])} refs) but has writer "
                    f"{int(pool.pg_writer[s])} (§9.4)")
-    for s in live[(pr == 0) & (pool.pg_pins[live] == 0) & (pool.pg_host_off[live] < 0)].tolist():
+    pins, none = pool.pg_pins[live], (pool.pg_host_off[live] < 0)
+    for s in live[(pr == 0) & (pins == 0) & none].tolist():
         out.append(f"page {s} has no reference, pin or replica but is not recycled")
+    for s in live[((pr > 0) | (pins > 0)) & none & (pool.pg_device[live] == NO_PAGE)].tolist():
+        out.append(f"page {s} is held but has neither a device nor a host replica (lost, §5.1)")
 
 
 def _expected_pins(st: StoreState, name: str, pending: Counter[tuple[str, int]]) -> np.ndarray:

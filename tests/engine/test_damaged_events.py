@@ -84,6 +84,7 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "HostReserve with fewer offsets than slots": [
             ev.HostReserve("main", pack([s0, s1]), pack_i64([host_off]))],
         "HostDrop of a slot listed twice": [*on_host, ev.HostDrop("main", pack([s0, s0]))],
+        "HostDrop of a Host-only page": [*host_only, ev.HostDrop("main", pack([s0]))],
         "DeviceDrop of a slot listed twice": [*on_host, ev.DeviceDrop("main", pack([s0, s0]))],
         "DeviceRestore with fewer page groups than slots": [
             *host_only, ev.DeviceRestore("main", pack([s0, s1]), pack([free_page]))],
@@ -171,6 +172,7 @@ WORDING = {
     'Configure twice': 'configured twice',
     'HostReserve with fewer offsets than slots': '2 slots, 1 offsets',
     'HostDrop of a slot listed twice': 'repeat or hold no host replica',
+    'HostDrop of a Host-only page': 'include a Host-only page, which would be lost',
     'DeviceDrop of a slot listed twice': 'repeat, or one is not on both tiers',
     'DeviceRestore with fewer page groups than slots': '2 slots, 1 pages',
     'DeviceRestore of a slot listed twice': 'repeat, or one is on the device',
