@@ -123,8 +123,10 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         held = ceil_div(f, P) if move else f // P
         tail = not move and f % P != 0
         # pages this activation needs on the device: the held prefix and, for a Fork at a
-        # mid-page frontier, the COW source tail — block f // P, right after the prefix
-        missing = rk.without_device(mem[:held + tail], p.pg_device).tolist()
+        # mid-page frontier, the COW source tail — block f // P, right after the prefix. A
+        # live page without a device replica has a host one (§5.1, checked by §14), so a pool
+        # holding no host replica has none to restore
+        missing = rk.without_device(mem[:held + tail], p.pg_device).tolist() if p.host_of else []
         need = pl.entitlement - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pl.pool}: continuation needs {need} pages "
