@@ -238,3 +238,30 @@ def test_a_store_without_planes_offloads_zeros_not_what_the_arena_held(fill: int
         assert crc == zeros
         assert s.arena.data[off:off + pb].count_nonzero() == 0  # type: ignore[union-attr]
     s.close()
+
+
+@pytest.mark.parametrize("tier", ["none", "memory", "file"])
+def test_checkpoint_info_predicts_what_a_reopen_keeps(tmp_path: Path, tier: str) -> None:
+    """Review finding: a checkpoint without pages, in a store without a host tier, was
+    reported as surviving a restart (``checkpoint_info``) and then dropped by the reopen ("no
+    host arena"); with an in-memory arena it survived. The prediction and the reopen follow
+    one rule for every kind of checkpoint and every host tier."""
+    kw: dict = {"none": {}, "memory": {"host_bytes": 8 << 20},
+                "file": {"host_bytes": 8 << 20, "persist_dir": str(tmp_path / "persist")}}[tier]
+    cfg = small_config(None if tier == "file" else tmp_path, pages=80, **kw)
+    s = KVStore.open(cfg)
+    empty = s.finish(s.activate(10, 10), retain=True)  # nothing committed: no pages
+    device = checkpoint_at(s, 100)
+    cks = [empty, device]
+    if tier != "none":
+        cks.append(checkpoint_at(s, 200))
+        s.offload(cks[-1])
+    step(s)
+    said = {ck: s.checkpoint_info(ck).survives_restart for ck in cks}
+    s.close()
+    s2 = KVStore.open(cfg)
+    kept = set(s2.checkpoints())
+    s2.close()
+    assert said == {ck: ck in kept for ck in cks}, (said, kept)
+    assert said[empty] and not said[device]  # metadata-only survives; device-only does not
+    assert tier != "file" or said[cks[-1]]
