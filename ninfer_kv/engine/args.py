@@ -24,7 +24,7 @@ def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = Non
     if type(value) is int:  # the common case (``type(True) is bool``, so no bool passes here)
         v = value
     else:
-        if isinstance(value, _BOOLS):
+        if isinstance(value, _BOOLS) or str(getattr(value, "dtype", "")) == "torch.bool":
             raise InvalidArgument(f"{name}={value!r}: a bool is not an integer")
         try:
             v = operator.index(value)

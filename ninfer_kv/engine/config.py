@@ -72,6 +72,9 @@ class StoreConfig:
                 "lease_cushion": 0, "host_bytes": 0}
         for name, lo in ints.items():
             put(name, _int(name, getattr(self, name), lo))
+        for name in ("lease_window", "lease_cushion"):  # tokens: past 2**40 changes nothing
+            if getattr(self, name) > TOKENS_MAX:          # (S is smaller) but int64 sums wrap
+                raise ConfigError(f"{name}={getattr(self, name)} must be <= 2**40 tokens")
         for name in ("kv_tokens", "free_bytes"):
             if getattr(self, name) is not None:
                 put(name, _int(name, getattr(self, name), 0))
@@ -111,6 +114,11 @@ class StoreConfig:
         tokens = self.kv_tokens if self.kv_tokens is not None else default_kv_tokens(
             self.serving)
         return plan_explicit(self.model, self.serving, tokens)
+
+
+TOKENS_MAX = 1 << 40
+"""Largest token count a setting may name (``grow`` adds a window and a cushion to
+frontiers in int64)."""
 
 
 def _int(name: str, v: object, lo: int) -> int:

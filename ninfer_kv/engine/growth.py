@@ -42,7 +42,7 @@ def grow(store: Txn, step_tokens: int = 1) -> GrowResult:
     """One call per decode round; one compiled pass over the active sequences of each pool
     (``round_kernels.grow_pool``, in bundle order, so the pool's availability is granted first
     come, first served)."""
-    step_tokens = as_int("step_tokens", step_tokens, lo=1)
+    step_tokens = as_int("step_tokens", step_tokens, lo=1, hi=store.plan.S)  # one step <= S
     cfg = store.config
     st = store.state
     res = GrowResult()

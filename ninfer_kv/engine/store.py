@@ -284,7 +284,7 @@ class KVStore(StoreCore):
     def reclaimable(self, bundles: Sequence[int]) -> dict[int, int]:
         """Per bundle: its device pages only ``bundles`` reference — what releasing all of
         them together frees of it (pages co-held by several checkpoints and nothing else)."""
-        return info.reclaimable(self, [as_int("checkpoint", b) for b in bundles])
+        return info.reclaimable(self, as_ints("checkpoints", bundles))
 
     def metrics(self) -> info.StoreMetrics:
         """Counters since open and occupancy now (engine/info.py documents each field)."""

@@ -73,13 +73,16 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
     """Leave execution: every pool's space of active sequence ``bundle`` is trimmed to its
     committed frontier, then becomes an immutable checkpoint (``retain``; returns its id)
     or is released (§8.3)."""
-    if not isinstance(retain, bool) or not isinstance(reason, str):
-        raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
-                              f"{reason!r} a str")
+    if type(retain) is not bool or type(reason) is not str:  # journaled: a str subclass
+        raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="  # would
+                              f"{reason!r} a str")  # not encode (nor digest) at the boundary
     try:
-        reason.encode("utf-8")  # it is journaled: refuse now what could not be written
+        size = len(reason.encode("utf-8"))  # refuse now what could not be written
     except UnicodeEncodeError:
         raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
+    if size > ev.REASON_MAX:
+        raise InvalidArgument(f"finish: a reason of {size} UTF-8 bytes > REASON_MAX="
+                              f"{ev.REASON_MAX}")
     b = tx.state.bundles.get(bundle)
     if b is None or not b.active:
         raise InactiveSpace(f"seq {bundle} is not an active sequence")

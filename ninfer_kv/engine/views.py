@@ -13,6 +13,7 @@ import torch
 
 from ninfer_kv.engine.layout import Codec, P, PlaneOrder, Profile
 from ninfer_kv.errors import InvalidArgument
+from ninfer_kv.kernels.checks import check_index
 
 WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
 """Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
@@ -54,6 +55,8 @@ def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
     """vLLM's ``slot_mapping`` for tokens given as (``table_rows[T]``, ``positions[T]``):
     ``page_group * 64 + position % 64`` (int64), -1 where the position's page is unmapped.
     Slot ``s`` is column ``s % 64`` of page group ``s // 64`` in the planes."""
+    check_index(table_rows, "table_rows", "slot_mapping")  # a float is refused, never
+    check_index(positions, "positions", "slot_mapping")    # truncated to a position
     pos, rows = positions.to(torch.int64), table_rows.to(torch.int64)
     c, logical = view.block_tables.shape
     if pos.shape != rows.shape or bool((pos < 0).any() | (pos >= logical * P).any()) or \

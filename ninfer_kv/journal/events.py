@@ -30,6 +30,8 @@ METADATA_MAX = 1 << 20
 """Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
 METADATA_PER_RECORD = 64 << 20
 """Most metadata bytes one boundary's record may carry (a record is at most 256 MiB)."""
+REASON_MAX = 256
+"""Longest finish reason, in UTF-8 bytes (vLLM's are words: "stop", "length", "abort")."""
 
 I32 = np.dtype("<i4")
 

@@ -12,6 +12,7 @@ import torch
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import (
+    ConfigError,
     InvalidArgument,
     StoreClosed,
     UnknownHandle,
@@ -253,3 +254,47 @@ def test_batched_and_single_arguments_outside_64_bits_or_twice_are_typed_refusal
          lambda: s.set_provisional_many("main", [a, a], [10, 20])),
     ])
     s.close()
+
+
+def test_argument_refusals_found_by_review(tmp_path: Path) -> None:
+    """Review findings (2026-12-02), each once accepted: a ``str`` subclass as a finish
+    reason (msgspec cannot encode it: the next boundary failed the store) and one past any
+    record (the same); ``grow`` by more tokens than a sequence can hold (int64 wrap in its
+    compiled pass, or an untyped OverflowError); a torch bool as a frontier; a bare int as
+    ``reclaimable``'s list; float positions to ``slot_mapping`` (truncated)."""
+    import numpy as np
+
+    from ninfer_kv import slot_mapping
+    from ninfer_kv.journal.events import REASON_MAX
+
+    s = KVStore.open(small_config(tmp_path, lease_growth=True))
+    a = s.activate(100, 10)
+    s.ensure_mapped(a, "main", 100)
+    step(s)
+    rows, pos = s.table_rows("main", [a]), torch.tensor([64])
+    view = s.batch_view("main", 0)
+    big = s.plan.S + 1
+    assert_refusals_change_nothing(s, [
+        (InvalidArgument, "reason=", lambda: s.finish(a, retain=True, reason=np.str_("stop"))),
+        (InvalidArgument, f"{REASON_MAX + 1} UTF-8 bytes > REASON_MAX",
+         lambda: s.finish(a, retain=True, reason="x" * (REASON_MAX + 1))),
+        (InvalidArgument, f"step_tokens={big} must be <=", lambda: s.grow(big)),
+        (InvalidArgument, "step_tokens=", lambda: s.grow(2**63)),
+        (InvalidArgument, "a bool is not an integer",
+         lambda: s.commit(a, "main", torch.tensor(True))),
+        (InvalidArgument, "want a sequence", lambda: s.reclaimable(a)),  # type: ignore[arg-type]
+        (InvalidArgument, "positions must be an integer tensor",
+         lambda: slot_mapping(view, rows, pos.float())),
+        (InvalidArgument, "table_rows must be an integer tensor",
+         lambda: slot_mapping(view, rows.float(), pos)),
+    ])
+    assert s.finish(a, retain=True, reason="é" * (REASON_MAX // 2)) is not None  # at the cap
+    step(s)
+    s.close()
+
+
+@pytest.mark.parametrize("name", ["lease_window", "lease_cushion"])
+def test_lease_settings_past_any_context_are_refused(tmp_path: Path, name: str) -> None:
+    """Review finding: a window or cushion near 2**63 wrapped in ``grow``'s int64 sums."""
+    with pytest.raises(ConfigError, match=f"{name}=1099511627777 must be <= 2\\*\\*40"):
+        small_config(tmp_path, lease_growth=True, **{name: (1 << 40) + 1})
