@@ -2,7 +2,9 @@
 
 The lock file holds the holder's pid (for the error message only; the kernel lock is what
 excludes). ``flock`` locks belong to the open file description, so the lock ends when the
-holder closes it or dies — no stale lock survives a ``kill -9``. A forked child would share
+holder closes it or dies — no stale lock survives a ``kill -9`` — or when the lock object is
+collected (a store dropped without ``close()``, say after it failed, can be reopened in the
+same process). A forked child would share
 the description (and keep the lock after the parent closed): children close their inherited
 lock descriptors at fork, and a store refuses to be used from a process other than the one
 that opened it. Read-only tools (replay, inspect, dump, events) never take it and never
@@ -23,7 +25,7 @@ LOCK_NAME = "LOCK"
 
 
 class DirLock:
-    __slots__ = ("path", "_fd", "__weakref__")
+    __slots__ = ("path", "_fd", "_closer", "__weakref__")
 
     def __init__(self, directory: str) -> None:
         secure_makedirs(directory)
@@ -42,12 +44,13 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # runs once: release, or collection
         _LIVE.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the description drops the flock
             self._fd = None
+            self._closer()  # closing the description drops the flock
 
 
 _LIVE: weakref.WeakSet[DirLock] = weakref.WeakSet()
@@ -58,6 +61,7 @@ def _drop_inherited_locks() -> None:
     (or death) releases its lock whatever the child does."""
     for lk in list(_LIVE):
         if lk._fd is not None:
+            lk._closer.detach()  # the child closes its copy now, never again at collection
             try:
                 os.close(lk._fd)
             except OSError:

@@ -107,6 +107,40 @@ def test_refused_open_leaves_every_file_as_it_was(tmp_path: Path) -> None:
 
 
 # --- 11. one writer per directory ---------------------------------------------------------------------
+def test_a_store_dropped_without_close_can_be_reopened(tmp_path: Path) -> None:
+    """Review finding: a store dropped without ``close()`` — an engine discarding a failed
+    store to reopen it, as StoreFailed says to — kept its directory locked for the rest of
+    the process (StoreLocked naming this pid). The lock goes with the collected store."""
+    import gc
+
+    s = host_store(tmp_path)
+    ck = checkpoint_at(s, 100)
+    s.offload(ck)
+    step(s)
+    s._fail("a failed fsync", OSError(errno.EIO, "EIO"))
+    del s
+    gc.collect()
+    s2 = host_store(tmp_path)  # old code: StoreLocked
+    assert s2.recovery.kept == [ck]
+    s2.close()
+
+
+def test_a_released_lock_never_closes_a_descriptor_twice(tmp_path: Path) -> None:
+    """``release`` and the collection of a lock close its descriptor once between them: a
+    second close could hit whatever file reused the number."""
+    import gc
+
+    from ninfer_kv.engine.lock import DirLock
+
+    lk = DirLock(str(tmp_path))
+    lk.release()
+    fd = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)  # likely the same number
+    del lk
+    gc.collect()
+    os.fstat(fd)  # still open
+    os.close(fd)
+
+
 def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path: Path) -> None:
     s = host_store(tmp_path)
     checkpoint_at(s, 100)
