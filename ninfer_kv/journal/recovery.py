@@ -117,6 +117,19 @@ def _later_valid(buf: bytes, start: int, salt: int) -> Frame | None:
         pos = cand + 1
 
 
+def _later_durable_seq(buf: bytes, start: int, salt: int) -> int:
+    """The largest durable_seq stamped on a CRC-valid frame with this salt after ``start``
+    (-1: none). Every later frame counts, not only the first: under ``sync=commit`` the
+    records right after a damaged one may be non-durable ones with an older stamp, and the
+    acknowledged record that proves the damaged one durable comes further on."""
+    best = -1
+    f = _later_valid(buf, start, salt)
+    while f is not None:
+        best = max(best, f.durable_seq)
+        f = _later_valid(buf, f.end, salt)
+    return best
+
+
 def _read(fs: FileSystem, path: str, limit: int = -1) -> bytes:
     try:
         return fs.read(path, limit)
@@ -189,8 +202,7 @@ def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off
                   salvage: bool) -> None:
     """Torn tail (cut) or mid-log corruption (raise), by the durable_seq of later records."""
     num = rest[0][0]
-    later = _later_valid(data, off + 1, hdr.salt)
-    durable_later = later is not None and later.durable_seq >= expect_seq
+    durable_later = _later_durable_seq(data, off + 1, hdr.salt) >= expect_seq
     # A later segment is created only after this one was fsynced (rotation and reopen both
     # sync first), so a later segment with a valid header proves the damaged bytes were durable.
     if any(not isinstance(SegmentHeader.parse(_read(fs, p)), str) for _, p in rest[1:]):

@@ -221,6 +221,27 @@ def test_a_durable_record_proves_the_non_durable_ones_before_it() -> None:
         scan(D, schema_major=1, fs=fs)
 
 
+def test_any_later_record_can_prove_the_damaged_one_durable() -> None:
+    """Review finding: damage was judged by the first valid record after it only. Under
+    sync=commit the records right after a damaged one can be non-durable ones stamped with an
+    older durable_seq; the acknowledged record further on proves the damaged one durable, yet
+    recovery cut it and everything after as a torn tail — the acknowledged record with it."""
+    fs = CrashFS()
+    j = Journal.open(D, CODEC, JournalOptions(sync=SyncPolicy.COMMIT), fs=fs)
+    j.append(batch(1))
+    for s in range(2, 6):
+        j.append(batch(s), durable=False)  # decode rounds: stamped durable_seq 1
+    j.append(batch(6))  # acknowledged durable: fsyncs 2-5 first, stamped 5
+    assert j.durable_seq == 6
+    j.close()
+    seg = segs(fs)[-1]
+    data = fs.read(seg)
+    second = data.index(CODEC.encode(batch(2)))  # inside record 2's payload
+    fs.files[seg].durable[second + 3] ^= 0xFF
+    with pytest.raises(JournalCorrupt, match="proves seq 2"):  # old code: cut at record 2
+        scan(D, schema_major=1, fs=fs)
+
+
 def test_a_record_no_reader_would_accept_is_never_written(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     from ninfer_kv.errors import JournalError
