@@ -59,12 +59,25 @@ def host_reserve(st: StoreState, e: ev.HostReserve) -> None:
     st.host_pending[offsets[0]] = (e.pool, tuple(slots), tuple(offsets))
 
 
+def _pending(st: StoreState, offset: int, pool: str, what: str
+             ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The transfer pending at ``offset`` (pool, slots, offsets), which the event must name
+    as its HostReserve did: an event's fields say what it does (``dump`` shows them)."""
+    got = st.host_pending.get(offset)
+    assert got is not None, f"{what} at {offset}: no transfer is pending there"
+    assert got[0] == pool, f"{what} at {offset}: names pool {pool!r}, its HostReserve {got[0]!r}"
+    return got
+
+
 def host_publish(st: StoreState, e: ev.HostPublish) -> None:
     """The pending transfer at ``e.offset`` becomes its pages' host replicas (an older
     replica's extent is freed). Everything is checked before anything changes: the fields'
     lengths, every slot a live page, every new offset and every replaced one a live extent
     (only a damaged journal or snapshot breaks these)."""
-    pool_name, slots, offsets = st.host_pending[e.offset]
+    pool_name, slots, offsets = _pending(st, e.offset, e.pool, "HostPublish")
+    named = unpack(e.slots).tolist()
+    assert named == list(slots), f"HostPublish at {e.offset}: names slots {named[:4]}, its " \
+        f"HostReserve {list(slots)[:4]} (the fields follow the reserved slots' order)"
     n = {len(unpack(e.epochs)), len(unpack(e.coverage)), len(unpack_u32(e.checksums))}
     assert n == {len(slots)}, f"HostPublish at {e.offset}: {len(slots)} slots, fields of {n}"
     pool = st.pools[pool_name]
@@ -90,7 +103,7 @@ def host_publish(st: StoreState, e: ev.HostPublish) -> None:
 def host_abort(st: StoreState, e: ev.HostAbort) -> None:
     """The pending transfer at ``e.offset`` is given up: its extents are freed and its pages
     unpinned. Its pages are live (the transfer pins them) — checked before anything changes."""
-    pool_name, slots, offsets = st.host_pending[e.offset]
+    pool_name, slots, offsets = _pending(st, e.offset, e.pool, "HostAbort")
     pool = st.pools[pool_name]
     _live(pool, list(slots), "HostAbort")
     bad = [o for o in offsets if o not in st.host.live]  # type: ignore[union-attr]

@@ -85,6 +85,16 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
             ev.HostReserve("main", pack([s0, s1]), pack_i64([host_off]))],
         "HostDrop of a slot listed twice": [*on_host, ev.HostDrop("main", pack([s0, s0]))],
         "HostDrop of a Host-only page": [*host_only, ev.HostDrop("main", pack([s0]))],
+        "HostPublish naming other slots than its HostReserve": [
+            on_host[0], ev.HostPublish("main", host_off, pack([s1, s0]), pack([0, 0]),
+                                       pack([P, P]), ev.pack_u32([1, 2]))],
+        "HostPublish naming another pool": [
+            on_host[0], ev.HostPublish("x", host_off, pack([s0, s1]), pack([0, 0]),
+                                       pack([P, P]), ev.pack_u32([1, 2]))],
+        "HostPublish where nothing is pending": [
+            on_host[0], ev.HostPublish("main", off2, pack([s0, s1]), pack([0, 0]),
+                                       pack([P, P]), ev.pack_u32([1, 2]))],
+        "HostAbort naming another pool": [on_host[0], ev.HostAbort("x", host_off)],
         "DeviceDrop of a slot listed twice": [*on_host, ev.DeviceDrop("main", pack([s0, s0]))],
         "DeviceRestore with fewer page groups than slots": [
             *host_only, ev.DeviceRestore("main", pack([s0, s1]), pack([free_page]))],
@@ -173,6 +183,10 @@ WORDING = {
     'HostReserve with fewer offsets than slots': '2 slots, 1 offsets',
     'HostDrop of a slot listed twice': 'repeat or hold no host replica',
     'HostDrop of a Host-only page': 'include a Host-only page, which would be lost',
+    'HostPublish naming other slots than its HostReserve': 'its HostReserve',
+    'HostPublish naming another pool': "names pool 'x', its HostReserve 'main'",
+    'HostPublish where nothing is pending': 'no transfer is pending there',
+    'HostAbort naming another pool': "names pool 'x', its HostReserve 'main'",
     'DeviceDrop of a slot listed twice': 'repeat, or one is not on both tiers',
     'DeviceRestore with fewer page groups than slots': '2 slots, 1 pages',
     'DeviceRestore of a slot listed twice': 'repeat, or one is on the device',
