@@ -188,6 +188,11 @@ def copy_tail(st: StoreState, e: ev.CopyTail) -> None:
     pool = st.pools[e.pool]
     dst = pool.spaces.get(e.dst)
     assert dst is not None and dst.active, f"CopyTail into {e.dst}: not an active space"
+    s = e.src_slot  # the copy the boundary runs reads it: the event says what it reads
+    assert 0 <= s < len(pool.pg_live) and pool.pg_live[s] and pool.pg_pins[s] > 0 \
+        and pool.pg_device[s] == e.src_page and pool.pg_committed[s] >= e.columns, \
+        f"CopyTail into {e.dst}: source slot {s} is not a live, pinned page on device page " \
+        f"{e.src_page} holding {e.columns} committed columns (§9.3; the record pins it first)"
     new_members(pool, _int32(e.dst, "dst"), _int32(e.slot, "slot"), _int32(e.page, "page"),
                 "CopyTail")
     pool.pg_committed[e.slot] = e.columns

@@ -79,6 +79,7 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
                ev.HostPublish("main", host_off, pack([s0, s1]), pack([0, 0]), pack([P, P]),
                               ev.pack_u32([1, 2]))]          # s0, s1 get host replicas
     host_only = [*on_host, ev.DeviceDrop("main", pack([s0, s1]))]
+    pin_a0 = ev.Pin("main", pack([a_slots[0]]))  # what a COW copy's record pins first
     return {
         "Configure twice": [ev.Configure(list(st.pool_specs), dict(st.plan))],
         "HostReserve with fewer offsets than slots": [
@@ -117,8 +118,13 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "Activate holding more than its entitlement": [ev.Activate(nxt, "main", 2, row, 0, 0, 3)],
         "Activate with a budget past int64": [ev.Activate(nxt, "main", 2, row, 1 << 63)],
         "Share with a huge id": [ev.Share(a, 1 << 30, "main", 1)],
-        "CopyTail onto a leased page group": [ev.CopyTail(a, "main", free_slot, used_page,
-                                                          a_slots[0], used_page, 10)],
+        "CopyTail onto a leased page group": [pin_a0, ev.CopyTail(a, "main", free_slot,
+                                                                  used_page, a_slots[0],
+                                                                  used_page, 10)],
+        "CopyTail from an unpinned source": [ev.CopyTail(a, "main", free_slot, free_page,
+                                                         a_slots[0], used_page, 10)],
+        "CopyTail naming another source page group": [
+            pin_a0, ev.CopyTail(a, "main", free_slot, free_page, a_slots[0], free_page, 10)],
         "Grow naming an unknown seq second": [ev.Grow("main", pack([a, 77]), pack([1, 1]))],
         "Grow by negative pages": [ev.Grow("main", pack([a]), pack([-2]))],
         "Grow naming a seq twice": [ev.Grow("main", pack([a, a]), pack([1, 1]))],
@@ -151,7 +157,7 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
             ev.HostPublish("main", host_off, pack([ck_slots[0], ck_slots[1]]), pack([0, 0]),
                            pack([P]), ev.pack_u32([1, 2]))],
         "CopyTail with a page group past int64": [
-            ev.CopyTail(a, "main", free_slot, 1 << 63, a_slots[0], used_page, 10)],
+            pin_a0, ev.CopyTail(a, "main", free_slot, 1 << 63, a_slots[0], used_page, 10)],
         "Fork into a destination with pages": [ev.Fork(ck, a, "main", 1, P)],
         "Materialize with arrays of different lengths": [
             ev.Materialize("main", pack([a, a]), pack([free_slot]), pack([free_page]))],
@@ -205,6 +211,8 @@ WORDING = {
     'Activate with a budget past int64': 'budget 9223372036854775808',
     'Share with a huge id': 'into 1073741824: ids are handed out in order',
     'CopyTail onto a leased page group': 'the slot is neither free',
+    'CopyTail from an unpinned source': 'is not a live, pinned page',
+    'CopyTail naming another source page group': 'is not a live, pinned page',
     'Grow naming an unknown seq second': 'seq 77 (element 1)',
     'Grow by negative pages': 'grows by negative pages',
     'Grow naming a seq twice': '(element 1) has no active space, is listed twice',

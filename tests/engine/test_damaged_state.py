@@ -68,7 +68,7 @@ def valid_cases(st: StoreState, ck: int, a: int) -> dict[str, list[Any]]:
         "PublishActive": [act, ev.PublishActive(nxt)],
         "Move": [act, ev.Move(ck, nxt, "main", 100)],
         "Fork": [act, ev.Fork(ck, nxt, "main", 2, 2 * P)],
-        "CopyTail": [act, ev.Fork(ck, nxt, "main", 2, 150),
+        "CopyTail": [act, ev.Pin("main", pack([s2])), ev.Fork(ck, nxt, "main", 2, 150),
                      ev.CopyTail(nxt, "main", free_slot, free_page, s2, int(p.pg_device[s2]),
                                  150 - 2 * P)],
         "Prefix": [ev.Prefix(ck, nxt, "main", 2)],
