@@ -11,12 +11,15 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
+from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.tools.argtypes import fraction, non_negative, positive
 from ninfer_kv.tools.output import emit_json
 from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, simulate
 from ninfer_kv.tools.timeline import plot
 
 Command = Callable[[argparse.Namespace, Console], int]
+_SIM_DEFAULTS: dict[str, object] = {}
+"""``simulate``'s option defaults (filled in by ``register``)."""
 
 
 def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
@@ -46,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--standby", action="store_true",
                    help="with --tp: the last rank is a standby, promoted once the stream ends")
     p.add_argument("--json", action="store_true")
+    _SIM_DEFAULTS.update({x.dest: x.default for x in p._actions if x.dest != "help"})
     p = sub.add_parser("plot", help="occupancy and prefix-hit ratio over boundaries (PNG)")
     p.add_argument("dir")
     p.add_argument("-o", "--output", default="timeline.png")
@@ -65,8 +69,21 @@ def sim_options(a: argparse.Namespace) -> SimOptions:
                       lease_window=a.lease_window)
 
 
+_DIST_OPTIONS = {"limit", "seed", "tp", "disagg", "standby", "json", "command", "func"}
+"""What ``simulate --tp`` / ``--disagg`` reads (its own small synthetic workload)."""
+
+
 def run_simulate(a: argparse.Namespace, console: Console) -> int:
-    if a.tp > 1 or a.disagg:
+    dist = a.tp > 1 or a.disagg
+    if a.standby and a.tp < 2:
+        raise InvalidArgument("simulate: --standby needs --tp 2 or more (the last rank stands by)")
+    if dist:  # refuse what it would silently ignore
+        ignored = sorted(f"--{k.replace('_', '-')}" for k, v in vars(a).items()
+                         if k not in _DIST_OPTIONS and k in _SIM_DEFAULTS
+                         and v != _SIM_DEFAULTS[k])
+        if ignored:
+            raise InvalidArgument(f"simulate --tp/--disagg runs its own synthetic workload: "
+                                  f"{', '.join(ignored)} would be ignored")
         from ninfer_kv.tools.dist_sim import run_cli
 
         return run_cli(a, console)
@@ -90,6 +107,8 @@ def run_simulate(a: argparse.Namespace, console: Console) -> int:
 
 # --- plot ----------------------------------------------------------------------------------------
 def run_plot(a: argparse.Namespace, console: Console) -> int:
+    if not a.output.lower().endswith(".png") or a.output.lower() == ".png":
+        raise InvalidArgument(f"plot: -o {a.output!r} must name a .png file (it writes a PNG)")
     data = plot(a.dir, a.output)
     if a.json:
         emit_json({"output": a.output, **data})

@@ -23,19 +23,42 @@ class Request:
     hash_ids: tuple[int, ...]
 
 
+def _count(d: dict, name: str, lo: int) -> int:
+    """Field ``name`` of a trace line: a finite number (an integral one for a length), at
+    least ``lo``."""
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v or v in (_INF, -_INF):
+        raise ValueError(f"{name}={v!r} is not a finite number")
+    if name != "timestamp" and v != int(v):
+        raise ValueError(f"{name}={v!r} is not an integer")
+    if v < lo:
+        raise ValueError(f"{name}={v!r} must be >= {lo}")
+    return int(v)
+
+
+_INF = float("inf")
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Mooncake jsonl: one object per line with timestamp, input_length, output_length and
-    hash_ids. A malformed line is an ``InvalidArgument`` naming the file and line."""
+    """Mooncake jsonl: one object per line with timestamp, input_length (>= 1),
+    output_length and hash_ids (integers). A malformed line — not UTF-8, not JSON, a field
+    missing, of the wrong type, infinite or out of range — is an ``InvalidArgument`` naming
+    the file and line."""
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
             if limit is not None and i >= limit:
                 break
             try:
-                d = json.loads(line)
-                req = Request(i, int(d["timestamp"]), int(d["input_length"]),
-                              max(1, int(d["output_length"])), tuple(d["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as exc:
+                d = json.loads(raw.decode("utf-8"))
+                if not isinstance(d, dict):
+                    raise TypeError("not a JSON object")
+                ids = d["hash_ids"]
+                if not isinstance(ids, list) or any(type(h) is not int for h in ids):
+                    raise TypeError("hash_ids must be a list of integers")
+                req = Request(i, _count(d, "timestamp", 0), _count(d, "input_length", 1),
+                              max(1, _count(d, "output_length", 0)), tuple(ids))
+            except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError included
                 raise InvalidArgument(f"{path}:{i + 1}: not a Mooncake trace line "
                                       f"({type(exc).__name__}: {exc})") from None
             out.append(req)

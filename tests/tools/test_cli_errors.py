@@ -24,6 +24,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     s.close()
     (d / "afile").write_text("not a journal")
     (d / "empty").mkdir()
+    line = '{{"timestamp": {t}, "input_length": {n}, "output_length": 3, "hash_ids": {h}}}\n'
+    bad = {"inf": line.format(t="Infinity", n=100, h="[1]"),     # review findings: tracebacks
+           "listid": line.format(t=0, n=100, h="[[1]]"),          # (OverflowError, TypeError,
+           "zero": line.format(t=0, n=0, h="[]"),                 # UnicodeDecodeError), or a
+           "float": line.format(t=0, n=100.5, h="[1]")}           # negative ideal hit ratio
+    for name, text in bad.items():
+        (d / f"{name}.jsonl").write_text(text)
+    (d / "bin.jsonl").write_bytes(b"\xff\xfe\x00\n")
     return {"j": str(d / "journal"), "file": str(d / "afile"), "empty": str(d / "empty"),
             "missing": str(d / "nope"), "root": str(d)}
 
@@ -39,6 +47,13 @@ CASES = [
     ["simulate", "--host-bytes", "-1"], ["simulate", "--trace", "{missing}", "--limit", "2"],
     ["simulate", "--limit", "2", "--journal", "{file}"], ["plan", "--layers", "-3"],
     ["replay"], ["nosuchcommand"],
+    # review findings (2026-12-02): each was a traceback, or exit 0 doing something else
+    ["simulate", "--trace", "{root}/inf.jsonl"], ["simulate", "--trace", "{root}/bin.jsonl"],
+    ["simulate", "--trace", "{root}/listid.jsonl"], ["simulate", "--trace", "{root}/zero.jsonl"],
+    ["simulate", "--trace", "{root}/float.jsonl"], ["plot", "{j}", "-o", "{root}/out.xyz"],
+    ["plot", "{j}", "-o", "{root}/noext"],
+    ["simulate", "--tp", "2", "--limit", "2", "--journal", "{root}/tpj"],
+    ["simulate", "--disagg", "--mtp"], ["simulate", "--standby", "--limit", "2"],
 ]
 
 
