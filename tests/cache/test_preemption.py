@@ -28,9 +28,9 @@ def committed_bytes(s: KVStore, seq: int) -> dict[str, list[torch.Tensor]]:
             cols = min(P, sp.committed - i * P)
             dev = p.pages[slot].device
             assert dev >= 0, f"{pool} block {i} is not on the device"
-            hm = s.device.pools[pool].geometry.order.value == "head-major"
-            out.setdefault(pool, []).extend(
-                (t[:, :cols] if hm else t[:, :, :cols]) for t in page_bytes(s, pool, dev))
+            # page_bytes gives [H, P, X] in either plane order: columns are axis 1 (the
+            # page-major case sliced head_dim here, which P = head_dim = 64 hid)
+            out.setdefault(pool, []).extend(t[:, :cols] for t in page_bytes(s, pool, dev))
     return out
 
 
