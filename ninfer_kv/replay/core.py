@@ -35,6 +35,9 @@ class ReplayResult:
     digest: str
     seconds: float
     violations: list[Violation] = field(default_factory=list)
+    cuts: list[str] = field(default_factory=list)
+    """Where the journal's valid prefix ended early (a torn tail: the history replayed is the
+    part before it; ``JournalReader`` only reads, so the files keep their bytes)."""
 
     @property
     def events_per_s(self) -> float:
@@ -167,7 +170,10 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
         v = violations(st)
         if v:
             found.append(Violation(st.seq, -1, "end", v))
-    return ReplayResult(st, n_records, n_events, digest(st), time.perf_counter() - t0, found)
+    cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
+            for c in reader.scan.cuts]
+    return ReplayResult(st, n_records, n_events, digest(st), time.perf_counter() - t0, found,
+                        cuts)
 
 
 @dataclass(slots=True)

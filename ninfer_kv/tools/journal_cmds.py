@@ -66,12 +66,15 @@ def run_replay(a: argparse.Namespace, console: Console) -> int:
     out = {"records": res.records, "events": res.events, "digest": res.digest,
            "events_per_s": round(res.events_per_s), "seconds": round(res.seconds, 4),
            "violations": [{"record": v.seq, "event_index": v.index, "event": v.event,
-                           "problems": v.problems} for v in res.violations]}
+                           "problems": v.problems} for v in res.violations],
+           "cuts": res.cuts}
     if a.json:
         emit_json(out)
     else:
         console.print(f"replayed {res.records} records, {res.events} events in "
                       f"{res.seconds * 1e3:.1f} ms ({res.events_per_s:,.0f} events/s)")
+        for c in res.cuts:
+            console.print(f"[yellow]the journal ends early[/yellow]: {c}")
         console.print(f"digest [bold]{res.digest}[/bold]")
         for v in res.violations:
             console.print(f"[red]violation[/red] after record {v.seq} event {v.index} "

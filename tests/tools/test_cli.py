@@ -54,6 +54,23 @@ def test_replay_json_matches_live(run: dict, capsys: pytest.CaptureFixture[str])
     assert out["records"] == JournalReader(run["journal"]).last_seq
 
 
+def test_replay_json_says_where_a_torn_journal_ends(run: dict, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Review finding: a torn tail replayed with exit 0 and a --json that did not say the
+    history was cut. It lists the cut (the copy keeps its bytes: replay only reads)."""
+    torn = tmp_path / "journal"
+    shutil.copytree(run["journal"], torn)
+    seg = sorted(torn.glob("seg-*.log"))[-1]
+    size = seg.stat().st_size
+    with open(seg, "r+b") as f:
+        f.truncate(size - 5)  # the last record loses its end
+    out = cli_json(capsys, "replay", str(torn))
+    assert out["records"] == JournalReader(run["journal"]).last_seq - 1
+    assert len(out["cuts"]) == 1 and "torn tail" in out["cuts"][0], out["cuts"]
+    assert seg.stat().st_size == size - 5
+    assert cli_json(capsys, "replay", run["journal"])["cuts"] == []
+
+
 def test_replay_until_matches_state_captured_at_that_boundary(run: dict) -> None:
     assert len(run["captured"]) >= 10
     for seq, dig in list(run["captured"].items())[::4]:
