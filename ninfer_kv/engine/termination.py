@@ -73,11 +73,13 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
     """Leave execution: every pool's space of active sequence ``bundle`` is trimmed to its
     committed frontier, then becomes an immutable checkpoint (``retain``; returns its id)
     or is released (§8.3)."""
-    if type(retain) is not bool or type(reason) is not str:  # journaled: a str subclass
-        raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="  # would
-                              f"{reason!r} a str")  # not encode (nor digest) at the boundary
+    # the reason is journaled: an exact str (a subclass such as numpy.str_ would not encode,
+    # nor digest, at the boundary), UTF-8, at most REASON_MAX bytes — refused now, not there
+    if type(retain) is not bool or type(reason) is not str:
+        raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
+                              f"{reason!r} a str")
     try:
-        size = len(reason.encode("utf-8"))  # refuse now what could not be written
+        size = len(reason.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
     if size > ev.REASON_MAX:
