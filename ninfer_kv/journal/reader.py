@@ -25,6 +25,7 @@ class JournalReader:
                  salvage: bool = False) -> None:
         self.directory = directory
         self.codec = codec
+        self.salvage = salvage
         self.scan: ScanResult = scan(directory, schema_major=codec.schema[0], fs=fs,
                                      repair=False, salvage=salvage)
         if not self.scan.segments and not list_segments(directory, fs):

@@ -107,7 +107,7 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
                          + (f" ({'; '.join(why)})" if why else ""))
 
 
-def replay(directory: str, *, verify_every: int = 0, until_record: int | None = None,
+def replay(directory: str | JournalReader, *, verify_every: int = 0, until_record: int | None = None,
            until_event: int | None = None, salvage: bool = False,
            progress: Callable[[int, int], None] | None = None,
            on_event: Callable[[StoreState, int, int, Any], None] | None = None,
@@ -120,8 +120,15 @@ def replay(directory: str, *, verify_every: int = 0, until_record: int | None = 
     (default: N when N > 1, else 10,000) and at the end. ``incremental=False``: the full check
     alone every N events (the old, O(state) per check behaviour).
     ``until_record``: stop after that record; ``until_event``: stop after that many events.
+    ``directory`` may be a ``JournalReader`` already open (its scan is used, and its own
+    ``salvage`` setting: a caller that needs the journal's length first scans it once).
     """
-    reader = JournalReader(directory, salvage=salvage)
+    if isinstance(directory, JournalReader):
+        if salvage and not directory.salvage:
+            raise JournalError("replay(salvage=True) of a reader opened without salvage")
+        reader = directory
+    else:
+        reader = JournalReader(directory, salvage=salvage)
     st, start = replay_start(reader, until_record)
     found: list[Violation] = []
     checker: IncrementalChecker | None = None

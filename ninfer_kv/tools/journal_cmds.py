@@ -56,12 +56,13 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
 
 # --- replay -------------------------------------------------------------------------------------
 def run_replay(a: argparse.Namespace, console: Console) -> int:
-    last = JournalReader(a.dir).last_seq
+    reader = JournalReader(a.dir)  # one scan: its length for the bar, its records to replay
+    last = reader.last_seq
     with Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=Console(stderr=True),
                   disable=a.json or last < 2000, transient=True) as bar:
         task = bar.add_task("replay", total=min(last, a.until or last))
-        res = replay(a.dir, verify_every=a.every if a.verify else 0, until_record=a.until,
+        res = replay(reader, verify_every=a.every if a.verify else 0, until_record=a.until,
                      progress=lambda seq, _: bar.update(task, completed=seq))
     out = {"records": res.records, "events": res.events, "digest": res.digest,
            "events_per_s": round(res.events_per_s), "seconds": round(res.seconds, 4),

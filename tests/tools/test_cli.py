@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import JournalError
 from ninfer_kv.journal.events import CODEC, CommitFrontiers, pack, unpack
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.reader import JournalReader
@@ -69,6 +71,22 @@ def test_replay_json_says_where_a_torn_journal_ends(run: dict, tmp_path: Path,
     assert len(out["cuts"]) == 1 and "torn tail" in out["cuts"][0], out["cuts"]
     assert seg.stat().st_size == size - 5
     assert cli_json(capsys, "replay", run["journal"])["cuts"] == []
+
+
+def test_replay_scans_the_journal_once(run: dict, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``ninfer-kv replay`` read the whole journal twice (once for the progress bar's total,
+    once to replay it), so a torn tail was reported twice and every segment CRC-checked twice.
+    One scan: one ``journal.cut`` warning."""
+    torn = tmp_path / "journal"
+    shutil.copytree(run["journal"], torn)
+    seg = sorted(torn.glob("seg-*.log"))[-1]
+    with open(seg, "r+b") as f:
+        f.truncate(seg.stat().st_size - 5)
+    with capture_logs() as logs:
+        out = cli_json(capsys, "replay", str(torn))
+    assert [e["event"] for e in logs].count("journal.cut") == 1, logs
+    assert len(out["cuts"]) == 1
 
 
 def test_replay_until_matches_state_captured_at_that_boundary(run: dict) -> None:
@@ -251,3 +269,12 @@ def balanced(items: list[dict]) -> dict[tuple[str, str], int]:
             if not seen[key]:
                 del seen[key]
     return seen
+
+
+def test_replay_of_an_open_reader_keeps_its_salvage_setting(run: dict) -> None:
+    """``replay(reader)`` replays the reader's own scan: asking it to salvage what that scan
+    did not is refused, not silently ignored; the same journal by path or reader agrees."""
+    reader = JournalReader(run["journal"])
+    with pytest.raises(JournalError, match="salvage"):
+        replay(reader, salvage=True)
+    assert replay(reader).digest == replay(run["journal"]).digest == run["live"]
