@@ -243,6 +243,17 @@ class StoreCore:
         if cur is None or block < cur:
             d[bundle] = block
 
+    def _touch_many(self, pool: str, bundles: list[int], blocks: list[int]) -> None:
+        """``_touch`` of each (bundle, block) pair; ``bundles`` are distinct (a batch)."""
+        d = self._touched.get(pool)
+        if not d:  # the decode round's case: nothing else touched in this interval
+            self._touched[pool] = dict(zip(bundles, blocks, strict=True))
+            return
+        for bundle, block in zip(bundles, blocks, strict=True):
+            cur = d.get(bundle)
+            if cur is None or block < cur:
+                d[bundle] = block
+
     def _append_pending(self) -> int:
         seq = self.state.seq
         if self._pending:

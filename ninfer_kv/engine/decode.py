@@ -129,9 +129,8 @@ def ensure_mapped_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarra
     tail = out[3 * n:].tolist()  # the g grown sequences, then their first new blocks
     if g == 1:  # one prompt mapped (activation)
         tx._touch(p.name, tail[0], tail[1])
-    else:
-        for bj, first in zip(tail[:g], tail[g:], strict=True):
-            tx._touch(p.name, bj, first)  # publish from the first new block on
+    else:  # publish from each one's first new block on
+        tx._touch_many(p.name, tail[:g], tail[g:])
     tx.stats["materialized"] += n
     return n
 

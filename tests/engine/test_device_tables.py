@@ -79,3 +79,32 @@ def test_device_tables_follow_every_boundary(tmp_path: Path, seed: int) -> None:
         device_tables_match(s)
     s.check_invariants()
     s.close()
+
+
+def test_a_batched_map_keeps_the_earlier_touches_of_its_interval(tmp_path: Path) -> None:
+    """Two continuations of one checkpoint, then one batched map of both, in one interval:
+    each row must be published from block 0 (the shared pages the continuation mapped), not
+    from the batched map's first new block — the batch merges into what the interval touched
+    (``_touch_many`` keeps the lower block of each sequence)."""
+    s = KVStore.open(small_config(tmp_path, pages=32, concurrency=4, allocate_planes=False))
+    separate_device_tables(s)
+    src = s.activate(3 * 64, 200)
+    s.ensure_mapped(src, "main", 3 * 64)
+    with s.boundary():
+        pass
+    s.commit(src, "main", 3 * 64)
+    ck = s.finish(src, retain=True)
+    assert ck is not None
+    kids = [s.activate_from(ck, 3 * 64, 3 * 64, 200) for _ in range(2)]
+    s.ensure_mapped_many("main", kids, [3 * 64 + 65] * 2)  # two new pages each, same interval
+    with s.boundary():
+        pass
+    device_tables_match(s)
+    p, pd = s.state.pools["main"], s.device.pools["main"]
+    for b in kids:
+        sp = p.spaces[b]
+        members = np.asarray(sp.members, np.int64)
+        assert len(members) == 5
+        assert pd.host_tables[sp.row, :5].tolist() == p.pg_device[members].tolist(), b
+    s.check_invariants()
+    s.close()
