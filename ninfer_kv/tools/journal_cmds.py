@@ -115,6 +115,8 @@ def _touches(st: StoreState, e: Any, pool: str, slot: int) -> bool:
 def state_at(directory: str, at: int | None,
              page: tuple[str, int] | None = None) -> tuple[StoreState, list[dict[str, Any]]]:
     reader = JournalReader(directory)
+    if at is not None and at > reader.last_seq:
+        raise InvalidArgument(f"--at {at}: the journal ends at record {reader.last_seq}")
     st, start = replay_start(reader, at)
     history: list[dict[str, Any]] = []
     for seq, events in reader.records(start):
@@ -180,6 +182,9 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
     if page is not None and page[0] not in st.pools:
         raise UnknownHandle(f"--page {a.page}: pool {page[0]!r} is not in this journal "
                             f"(pools: {', '.join(st.pools)})")
+    if a.seq is not None and not any(a.seq in p.spaces for p in st.pools.values()):
+        raise UnknownHandle(f"--seq {a.seq}: no address space after record {st.seq} (never "
+                            "made, or finished without retention, or released)")
     out = describe(st, a.seq)
     if page is not None:
         out["page"] = page_descriptor(st, *page)

@@ -54,6 +54,10 @@ CASES = [
     ["plot", "{j}", "-o", "{root}/noext"],
     ["simulate", "--tp", "2", "--limit", "2", "--journal", "{root}/tpj"],
     ["simulate", "--disagg", "--mtp"], ["simulate", "--standby", "--limit", "2"],
+    # inspect answered exit 0 for what the journal does not hold: the last record's state
+    # for a record past the end, an empty table for a sequence with no space
+    ["inspect", "{j}", "--at", "999999"], ["inspect", "{j}", "--seq", "999999"],
+    ["inspect", "{j}", "--seq", "1", "--json"],
 ]
 
 
