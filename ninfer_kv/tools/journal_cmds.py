@@ -58,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
 def run_replay(a: argparse.Namespace, console: Console) -> int:
     reader = JournalReader(a.dir)  # one scan: its length for the bar, its records to replay
     last = reader.last_seq
+    if a.until is not None and a.until > last:  # the digest printed would be another record's
+        raise InvalidArgument(f"--until {a.until}: the journal ends at record {last}")
     with Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=Console(stderr=True),
                   disable=a.json or last < 2000, transient=True) as bar:
