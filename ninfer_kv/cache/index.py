@@ -64,7 +64,11 @@ class Match:
 
 
 def _as_tokens(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # a ragged or nested list
+        raise InvalidArgument(f"{what}: want a 1-D sequence of integer token ids ({exc})"
+                              ) from None
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidArgument(f"{what}: want a 1-D sequence of integer token ids, got dtype "
                               f"{arr.dtype} shape {arr.shape}")

@@ -70,6 +70,8 @@ def swap_in(store: KVStore, swapped: Swapped) -> int:
     (nothing changed) when the device cannot hold its pages and budget yet. Its pages keep
     their host replicas (a later ``swap_out`` reuses the ones still valid) until
     ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
+    if not isinstance(swapped, Swapped):
+        raise InvalidArgument(f"swap_in: {swapped!r} is not the Swapped that swap_out returned")
     prompt = max(swapped.frontier.values())
     seq = store.activate_from(swapped.checkpoint, dict(swapped.frontier), prompt,
                               swapped.budget - prompt, keep_source=False)

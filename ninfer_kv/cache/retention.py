@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
@@ -61,11 +61,9 @@ class LruRetention:
         self.entries: dict[int, Entry] = {}
         self.by_block: dict[Hashable, set[int]] = {}
         self.priority = priority or (lambda ck: 0)
-        if block_tokens is not None and (not isinstance(block_tokens, int)
-                                         or isinstance(block_tokens, bool) or block_tokens < 1):
-            raise InvalidArgument(f"block_tokens={block_tokens!r} must be a positive int "
-                                  "(tokens per key block) or None")
-        self.block_tokens = block_tokens  # tokens per key block; None: no tail-first trims
+        # tokens per key block; None: no tail-first trims
+        self.block_tokens = None if block_tokens is None else as_int("block_tokens",
+                                                                     block_tokens, lo=1)
         self.renamed: dict[int, int] = {}  # a trimmed checkpoint -> the one holding its prefix
         self._tick = 0
 
@@ -137,6 +135,8 @@ class LruRetention:
         Returns "demote", "release", "trim" or None: releasing would free no device page — running
         sequences or checkpoints this policy does not hold map them — so the checkpoints
         stay and their prefixes stay findable."""
+        if short is not None:
+            short = as_int("short", short, lo=0)
         victims = list(self.victims())
         if store.arena is not None:
             for ck in victims:

@@ -30,7 +30,6 @@ Tested with transformers 5.x (``pip install ninfer-kv[hf]``).
 from __future__ import annotations
 
 import contextvars
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.store import KVStore
@@ -120,30 +120,46 @@ class NinferKVCache(Cache):
     ``max_new_tokens`` is each row's output budget (its entitlement, §6: prompt + output
     tokens); default: up to ``max_context``. ``prefix=(checkpoint, frontier)`` continues every
     row from a retained checkpoint's first ``frontier`` tokens (Fork or Move, §10): the
-    ``input_ids`` given to ``generate`` must start with those tokens, and only the rest is
-    computed."""
+    ``input_ids`` given to ``generate`` must start with those tokens and be longer than
+    ``frontier``, and only the rest is computed. (Given no more than ``frontier`` ids,
+    transformers feeds them again as new tokens, as it does with a ``DynamicCache``; a forward
+    with a 2-D attention mask narrower than the cache is refused, but ``generate`` hands an
+    all-ones mask over as None, so there the cache cannot tell it from a continuation.)
+    ``pool`` is the store's pool the model's layers live in (its layer count must be the
+    model's). ``finish()`` empties the cache: the next ``generate`` admits new rows."""
 
     def __init__(self, store: KVStore, *, max_new_tokens: int | None = None,
                  prefix: tuple[int, int] | None = None, pool: str = "main") -> None:
+        if type(pool) is not str or pool not in store.pools:
+            raise InvalidArgument(f"NinferKVCache: pool={pool!r} is not one of the store's "
+                                  f"{store.pools}")
         seen = 0
         if prefix is not None:
-            ck, frontier = (operator.index(x) for x in prefix)
-            info = store.checkpoint_info(ck)
-            if not 0 < frontier <= info.frontier:
+            if not isinstance(prefix, tuple) or len(prefix) != 2:
+                raise InvalidArgument(f"NinferKVCache: prefix={prefix!r} must be a "
+                                      "(checkpoint, frontier) pair")
+            ck, frontier = as_int("prefix checkpoint", prefix[0]), as_int("prefix frontier",
+                                                                          prefix[1])
+            store.checkpoint_info(ck)  # an inactive checkpoint, else a typed refusal
+            have = store.space(ck, pool).committed  # this pool's frontier (§8.1)
+            if not 0 < frontier <= have:
                 raise InvalidArgument(f"NinferKVCache: prefix frontier {frontier} outside "
-                                      f"checkpoint {ck}'s (0, {info.frontier}]")
+                                      f"checkpoint {ck}'s (0, {have}] in pool {pool}")
             prefix, seen = (ck, frontier), frontier
         self.store = store
         self.pool = pool
         self.prefix = prefix
-        self.max_new_tokens = None if max_new_tokens is None else operator.index(max_new_tokens)
+        self.max_new_tokens = (None if max_new_tokens is None else
+                               as_int("max_new_tokens", max_new_tokens, lo=0))
         self.seqs: list[int] = []
         self._budget: list[int] = []   # per row: most tokens it may hold (prompt + output)
         self._unit: _Unit | None = None
         self._layer = -1
         self._key: torch.Tensor | None = None
         self._seen_before = seen
-        super().__init__(layers=[_Columns(seen) for _ in range(store.config.model.layers)])
+        self._start = seen             # the columns a new admission starts after
+        layers = store.device.pools[pool].geometry.layers  # the pool's, not the main model's
+        super().__init__(layers=[_Columns(seen) for _ in range(layers)])
 
     # --- transformers' Cache API ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -174,6 +190,9 @@ class NinferKVCache(Cache):
         self.abort()
         out = [self.store.finish(s, retain=retain) for s in self.seqs]
         self.seqs = []
+        for layer in self.layers:  # empty again: the next forward admits new rows from the
+            layer.seen = self._start  # prefix (transformers must not skip the old columns)
+        self._seen_before = self._start
         return out
 
     def abort(self) -> None:
@@ -188,7 +207,7 @@ class NinferKVCache(Cache):
 
     def frontiers(self) -> list[int]:
         """Committed tokens of each row's sequence (real tokens; padding excluded)."""
-        return [self.store.checkpoint_info(s).frontier for s in self.seqs]
+        return [self.store.space(s, self.pool).committed for s in self.seqs]
 
     def _admit(self, new: torch.Tensor) -> None:
         limit = self.store.config.serving.max_context
@@ -334,6 +353,10 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         raise UnsupportedOperation(f"ninfer_kv attention: dropout={dropout} (inference only)")
     n_layers = len(cache.layers)
     unit = cache._unit
+    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", n_layers)
+    if model_layers != n_layers:  # the unit completes after the last layer: it must be ours
+        raise InvalidArgument(f"ninfer_kv attention: the model has {model_layers} layers, pool "
+                              f"{cache.pool} of the store {n_layers}")
     if layer == 0:
         if unit is not None:
             raise InvalidArgument("ninfer_kv attention: layer 0 again before the last layer of "

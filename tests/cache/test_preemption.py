@@ -104,6 +104,11 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
         assert s.digest() == digest
     sw = swap_out(s, a, 700)
     step(s)
+    digest = s.digest()
+    for bad in ("x", sw.checkpoint, None):  # review finding: AttributeError escaped
+        with pytest.raises(InvalidArgument, match="not the Swapped"):
+            swap_in(s, bad)  # type: ignore[arg-type]
+    assert s.digest() == digest
     with pytest.raises((InactiveSpace, UnknownHandle)):
         swap_out(s, a, 700)                      # no longer active
     hog = s.activate(22 * P, 1)                  # the device cannot hold it back now

@@ -119,6 +119,11 @@ def test_refusals() -> None:
         idx.add(1, [1 << 40])
     with pytest.raises(InvalidArgument, match="block=0 must be >= 1"):
         PrefixIndex(block=0)
+    for ragged in ([1, [2, 3]], [[1], [2, 3]]):  # review finding: numpy's ValueError escaped
+        with pytest.raises(InvalidArgument, match="1-D sequence of integer"):
+            idx.lookup(ragged)
+        with pytest.raises(InvalidArgument, match="1-D sequence of integer"):
+            idx.add(1, ragged)
     assert len(idx) == 0
 
 

@@ -351,6 +351,27 @@ def test_a_refused_eviction_leaves_the_policy_as_it_was() -> None:
     store.close()
 
 
+def test_integer_arguments_go_through_as_int() -> None:
+    """Review finding: ``block_tokens`` refused a numpy integer, and ``make_room``'s
+    ``short`` was not checked at all (a str raised TypeError once a victim held pages)."""
+    import numpy as np
+
+    assert LruRetention(block_tokens=np.int64(64)).block_tokens == 64
+    for bad in (True, 1.5, "64", 0):
+        with pytest.raises(InvalidArgument, match="block_tokens"):
+            LruRetention(block_tokens=bad)  # type: ignore[arg-type]
+    store = _store(host=False)
+    pol = LruRetention(block_tokens=64)
+    ck = _retained(store, 3 * 64)
+    pol.retain(ck, ("a", "b", "c"))
+    digest = store.digest()
+    for bad in ("3", True, 1.5, -1):
+        with pytest.raises(InvalidArgument, match="short"):
+            pol.make_room(store, bad)  # type: ignore[arg-type]
+    assert store.digest() == digest and ck in pol.entries
+    store.close()
+
+
 def test_a_trim_only_cuts_a_device_resident_tail_and_needs_a_shortfall() -> None:
     """Review repros: with short=0 (rows, not pages, were short) a trim kept every page under
     a new id, forever; with a host-only tail (the sole device pages at the head) it cut host

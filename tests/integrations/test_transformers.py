@@ -308,3 +308,85 @@ def test_a_mask_short_of_the_reused_prefix_and_sliding_windows_are_refused(model
         ninfer_kv_attention(ours.model.layers[0].self_attn, q, cache._key, k, None,
                             sliding_window=4)
     assert store.digest() == digest
+
+
+def test_a_cache_over_another_pool_reads_that_pools_frontiers(models) -> None:  # noqa: ANN001
+    """Review finding: ``frontiers()`` read the main pool's committed frontier, so a cache
+    over pool "mtp" restarted every forward at position 0 of its pool (overwriting committed
+    K/V) and the commit was refused. Each forward now continues the pool's own frontier."""
+    from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
+    from ninfer_kv.engine.config import StoreConfig
+
+    base, ours, _ = models
+    geo = ModelGeometry(layers=LAYERS, kv_heads=2, head_dim=D, profile="bf16", mtp_layers=LAYERS)
+    store = KVStore.open(StoreConfig(model=geo, serving=ServingConfig(
+        max_context=256, max_concurrency=2, backend=Backend.MTP), kv_tokens=512))
+    ids, mask = batch(5, [12])
+    cache = NinferKVCache(store, max_new_tokens=NEW, pool="mtp")
+    got = generate(ours, ids, mask, cache)
+    assert torch.equal(got, generate(base, ids, mask, reference_cache(Profile.BF16)))
+    assert cache.frontiers() == [12 + NEW - 1] == [store.space(s, "mtp").committed
+                                                   for s in cache.seqs]
+    with pytest.raises(InvalidArgument, match="pool='nope'"):
+        NinferKVCache(store, pool="nope")
+    cache.finish()
+    store.check_invariants()
+
+
+def test_a_cache_used_again_after_finish_starts_empty(models) -> None:  # noqa: ANN001
+    """Review finding: after ``finish()`` transformers still saw the old columns as cached,
+    so the next generate skipped that many columns of the new prompt (wrong tokens, no
+    error). A finished cache is empty again: the next generate admits new rows."""
+    base, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+    cache = NinferKVCache(store, max_new_tokens=NEW)
+    ids, mask = batch(12, [20])
+    generate(ours, ids, mask, cache)
+    cache.finish()
+    assert cache.get_seq_length() == 0 and cache.seqs == []
+    ids2, mask2 = batch(13, [40])
+    got = generate(ours, ids2, mask2, cache)
+    assert torch.equal(got, generate(base, ids2, mask2, reference_cache(Profile.BF16)))
+    assert cache.frontiers() == [40 + NEW - 1]
+    cache.finish()
+    store.check_invariants()
+
+
+def test_a_model_with_other_layers_than_the_pool_is_refused_unfrozen(models) -> None:  # noqa: ANN001
+    """Review finding: a 1-layer model on a 2-layer store 'succeeded' and left the store
+    frozen (the unit completes after the pool's last layer, which never ran)."""
+    _, _, cfg = models
+    cfg1 = copy.deepcopy(cfg)
+    cfg1.num_hidden_layers = 1
+    one = LlamaForCausalLM(cfg1).eval()
+    one.set_attn_implementation("ninfer_kv")
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    digest = store.digest()
+    cache = NinferKVCache(store, max_new_tokens=4)
+    ids, mask = batch(14, [10])
+    with pytest.raises(InvalidArgument, match="the model has 1 layers, pool main of the store 2"), \
+            torch.no_grad():
+        one(ids, attention_mask=mask, cache=cache)
+    assert store.digest() == digest and cache.seqs == []
+    store.finish(store.activate(10, 10))  # not frozen
+
+
+@pytest.mark.parametrize("kw", [
+    {"prefix": ("ck", 5.0)}, {"prefix": ("ck",)}, {"prefix": (None, 3)}, {"prefix": ("ck", True)},
+    {"prefix": "ck"}, {"max_new_tokens": 2.5}, {"max_new_tokens": True},
+    {"max_new_tokens": -1}, {"pool": 3},
+], ids=str)
+def test_bad_cache_arguments_are_typed_refusals(models, kw: dict) -> None:  # noqa: ANN001
+    """Review finding: a bare ``operator.index`` let bools through and raised TypeError /
+    ValueError for the rest; every argument now goes through ``as_int``."""
+    _, ours, cfg = models
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+    first = NinferKVCache(store, max_new_tokens=NEW)
+    ids, mask = batch(15, [8])
+    generate(ours, ids, mask, first)
+    (ck,) = first.finish(retain=True)
+    if "prefix" in kw:
+        p = kw["prefix"]
+        kw = {"prefix": ck if p == "ck" else tuple(ck if x == "ck" else x for x in p)}
+    with pytest.raises(InvalidArgument):
+        NinferKVCache(store, **kw)

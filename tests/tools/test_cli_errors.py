@@ -56,8 +56,8 @@ CASES = [
     ["simulate", "--disagg", "--mtp"], ["simulate", "--standby", "--limit", "2"],
     # inspect answered exit 0 for what the journal does not hold: the last record's state
     # for a record past the end, an empty table for a sequence with no space
-    ["inspect", "{j}", "--at", "999999"], ["replay", "{j}", "--until", "999999"], ["inspect", "{j}", "--seq", "999999"],
-    ["inspect", "{j}", "--seq", "1", "--json"],
+    ["inspect", "{j}", "--at", "999999"], ["replay", "{j}", "--until", "999999"],
+    ["inspect", "{j}", "--seq", "999999"], ["inspect", "{j}", "--seq", "1", "--json"],
 ]
 
 
