@@ -2,7 +2,7 @@
 
 The lock file holds the holder's pid (for the error message only; the kernel lock is what
 excludes). ``flock`` locks belong to the open file description, so the lock ends when the
-holder closes it or dies — no stale lock survives a ``kill -9`` — or when the lock object is
+holder unlocks and closes it or dies — no stale lock survives a ``kill -9`` — or when the lock object is
 collected (a store dropped without ``close()``, say after it failed, can be reopened in the
 same process). A forked child would share
 the description (and keep the lock after the parent closed): children close their inherited
@@ -44,13 +44,26 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
-        self._closer = weakref.finalize(self, os.close, fd)  # runs once: release, or collection
+        # runs once: release, or collection
+        self._closer = weakref.finalize(self, _unlock_and_close, fd, os.getpid())
         _LIVE.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
             self._fd = None
             self._closer()  # closing the description drops the flock
+
+
+def _unlock_and_close(fd: int, owner: int) -> None:
+    """Unlock, then close: closing alone leaves the lock held while a child forked a moment
+    ago still shares the description (its at-fork hook has not closed its copy yet), and the
+    next open is refused. Only the owner unlocks: the lock is the description's, so a child
+    that unlocked would free the parent's lock."""
+    try:
+        if os.getpid() == owner:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 _LIVE: weakref.WeakSet[DirLock] = weakref.WeakSet()

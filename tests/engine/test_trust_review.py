@@ -20,6 +20,7 @@ from ninfer_kv.errors import (
     InvalidArgument,
     JournalCorrupt,
     StoreFailed,
+    StoreLocked,
     UnappliableRecord,
     WritePermissionError,
 )
@@ -139,6 +140,27 @@ def test_a_forked_child_neither_uses_nor_keeps_the_parents_store(tmp_path: Path)
     s2.close()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_released_lock_is_free_while_a_fork_still_shares_its_descriptor(tmp_path: Path) -> None:
+    """Review finding: ``release()`` only closed its descriptor, so while a child forked a
+    moment before still held its copy (its at-fork hook not run yet) the lock stayed and the
+    parent's own reopen was refused (20 of 20 runs). A dup stands for the child's copy: the
+    release unlocks the description. A copy that is not the owner's never unlocks it."""
+    from ninfer_kv.engine.lock import DirLock, _unlock_and_close
+
+    d = str(tmp_path / "d")
+    lk = DirLock(d)
+    child_copy = os.dup(lk._fd)  # type: ignore[arg-type]
+    lk.release()
+    DirLock(d).release()  # old code: StoreLocked naming this process
+    os.close(child_copy)
+    lk = DirLock(d)
+    _unlock_and_close(os.dup(lk._fd), owner=os.getpid() + 1)  # type: ignore[arg-type]
+    with pytest.raises(StoreLocked):  # a child's close left the owner's lock in place
+        DirLock(d)
+    lk.release()
+    DirLock(d).release()
 
 
 def test_checked_writes_through_an_unpublished_table_are_refused(tmp_path: Path) -> None:
