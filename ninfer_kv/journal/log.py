@@ -117,8 +117,10 @@ class Journal:
             apply_repairs(res, fs)
             if res.segments:  # make what recovery kept durable before a later segment exists
                 f = fs.open_append(res.segments[-1].path)
-                f.fsync()
-                f.close()
+                try:
+                    f.fsync()
+                finally:
+                    f.close()
         except OSError as exc:
             raise JournalError(f"cannot repair journal {directory}: {exc.strerror or exc}"
                                ) from None
@@ -133,10 +135,7 @@ class Journal:
         final = os.path.join(self.directory, segment_name(self._seg_no))
         try:
             tmp = final + ".tmp"
-            f = self.fs.create(tmp)
-            f.write(hdr.pack())
-            f.fsync()
-            f.close()
+            _write_durably(self.fs, tmp, hdr.pack())
             self.fs.rename(tmp, final)
             self.fs.fsync_dir(self.directory)
             self._file = self.fs.open_append(final)
@@ -228,8 +227,11 @@ class Journal:
             if self._failed is None:
                 self.sync()
         finally:
-            f.close()
-            self._file = None
+            self._file = None  # closed whatever close(2) says: the number may be reused
+            try:
+                f.close()
+            except OSError as exc:
+                self._fail(f"closing segment {self._seg_no}: {exc}")
 
     # --- snapshots --------------------------------------------------------------------------
     def write_snapshot(self, payload: bytes) -> str:
@@ -241,10 +243,8 @@ class Journal:
         path = os.path.join(self.directory, snapshot_name(self.last_seq))
         tmp = path + ".tmp"
         try:
-            f = self.fs.create(tmp)
-            f.write(pack_snapshot(self.codec.schema[0], self.last_seq, self.last_crc, payload))
-            f.fsync()
-            f.close()
+            _write_durably(self.fs, tmp, pack_snapshot(self.codec.schema[0], self.last_seq,
+                                                       self.last_crc, payload))
             self.fs.rename(tmp, path)
             self.fs.fsync_dir(self.directory)
         except OSError as exc:
@@ -291,3 +291,13 @@ class Journal:
         if removed:
             self.fs.fsync_dir(self.directory)
         return removed
+
+
+def _write_durably(fs: FileSystem, path: str, data: bytes) -> None:
+    """Create ``path`` holding ``data``, fsynced; its descriptor is closed on every path."""
+    f = fs.create(path)
+    try:
+        f.write(data)
+        f.fsync()
+    finally:
+        f.close()

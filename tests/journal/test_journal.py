@@ -10,7 +10,7 @@ import random
 import msgspec
 import pytest
 
-from ninfer_kv.errors import JournalCorrupt, JournalFailed, SchemaVersionError
+from ninfer_kv.errors import JournalCorrupt, JournalError, JournalFailed, SchemaVersionError
 from ninfer_kv.journal.events import CODEC, CommitFrontiers, EventCodec, Trim, pack, unpack
 from ninfer_kv.journal.format import SEG_HEADER_SIZE, segment_name
 from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
@@ -83,6 +83,75 @@ def test_fsync_error_is_fatal() -> None:
         j.append(batch(5))
     with pytest.raises(JournalFailed):
         j.sync()
+
+
+class _Counted:
+    """A CrashFS file whose close is counted (and can fail, as close(2) can with EIO)."""
+
+    def __init__(self, fs: OpenFilesFS, f: object) -> None:
+        self.fs, self.f = fs, f
+        fs.open_files += 1
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.f, name)
+
+    def close(self) -> None:
+        self.fs.open_files -= 1  # the descriptor is gone even when close reports an error
+        if self.fs.fail_close:
+            raise OSError(5, "injected EIO on close")
+
+
+class OpenFilesFS(CrashFS):
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_files = 0
+        self.fail_close = False
+
+    def create(self, path: str) -> _Counted:  # type: ignore[override]
+        return _Counted(self, super().create(path))
+
+    def open_append(self, path: str) -> _Counted:  # type: ignore[override]
+        return _Counted(self, super().open_append(path))
+
+
+@pytest.mark.parametrize("failing", ["snapshot", "rotation", "open"])
+def test_a_failed_write_closes_its_descriptor(failing: str) -> None:
+    """Review finding: a failed fsync of a snapshot's or a new segment's temp file, or of
+    the last segment when a journal opens, left its descriptor open (one leaked per
+    fail-stop and reopen)."""
+    fs = OpenFilesFS()
+    j = write_log(fs, 3)
+    if failing == "open":
+        j.close()
+        fs.fail_fsync_after = 0
+        with pytest.raises(Exception, match="EIO"):
+            Journal.open(D, CODEC, JournalOptions(), fs=fs)
+        assert fs.open_files == 0
+        return
+    fs.fail_fsync_after = 0  # the log is synced already: the temp file's fsync fails
+    with pytest.raises(JournalFailed, match="EIO"):
+        if failing == "snapshot":
+            j.write_snapshot(b"state")
+        else:
+            j._end_segment()
+    fs.fail_fsync_after = None
+    j.close()
+    assert fs.open_files == 0
+
+
+def test_a_failed_close_fails_the_journal_and_forgets_the_descriptor() -> None:
+    """Review finding: when close(2) failed (the kernel frees the descriptor anyway) the
+    journal kept it and was not failed, so the next append wrote its frame into whatever
+    file reused the number and was acknowledged."""
+    fs = OpenFilesFS()
+    j = write_log(fs, 2)
+    fs.fail_close = True
+    with pytest.raises(JournalFailed, match="EIO on close"):
+        j.close()
+    fs.fail_close = False
+    with pytest.raises((JournalFailed, JournalError)):
+        j.append(batch(3))
+    assert fs.open_files == 0
 
 
 def test_newer_schema_major_refused() -> None:
