@@ -56,7 +56,8 @@ class ScanResult:
     last_crc: int = 0
     salvaged: bool = False
     repairs: list[tuple[str, str, int]] = field(default_factory=list)
-    """What cutting the damage takes on disk: ("truncate", path, size) / ("remove", path, 0).
+    """What cutting the damage takes on disk: ("truncate", path, size) / ("remove", path, 0)
+    / ("stale", path, 0): a salvaged snapshot past the cut, renamed ``<name>.stale``.
     ``scan(repair=False)`` only lists them; :func:`apply_repairs` carries them out."""
 
     def crc_of(self, seq: int) -> int | None:
@@ -143,6 +144,8 @@ def apply_repairs(res: ScanResult, fs: FileSystem = OS_FS) -> None:
     for what, path, size in res.repairs:
         if what == "truncate":
             fs.truncate(path, size)
+        elif what == "stale":
+            fs.rename(path, path + ".stale")
         else:
             fs.remove(path)
     res.repairs = []
@@ -189,12 +192,37 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         res.segments[-1].data = data[:off]
         break
     res.last_seq, res.last_crc = expect_seq - 1, chain
+    _snapshots_past_the_end(directory, res, fs, salvage)
     if repair:
         apply_repairs(res, fs)
     for c in res.cuts:
         log.warning("journal.cut", segment=c.segment, offset=c.offset, bytes=c.bytes_cut,
                     reason=c.reason)
     return res
+
+
+def _snapshots_past_the_end(directory: str, res: ScanResult, fs: FileSystem,
+                            salvage: bool) -> None:
+    """A well-formed snapshot at seq N proves records 1..N were durable: ``write_snapshot``
+    fsyncs the log first, so no crash leaves the log shorter than a snapshot. One past the
+    log's valid end is therefore damage or loss (a torn synced record, a lost segment):
+    ``JournalCorrupt``, unless salvage, which keeps the valid prefix and sets the snapshot
+    aside (``<name>.stale``: never loaded, counted or overwritten by the new history)."""
+    for seq, path in list_snapshots(directory, fs):
+        if seq <= res.last_seq:
+            continue
+        snap = parse_snapshot(_read(fs, path))
+        if isinstance(snap, str) or snap.seq != seq:  # damaged: proves nothing (skipped and
+            continue                                  # reported by usable_snapshots)
+        num = res.segments[-1].number if res.segments else 0
+        off = len(res.segments[-1].data) if res.segments else 0
+        why = (f"snapshot {seq} proves records through {seq} were made durable; the log's "
+               f"valid records end at {res.last_seq}")
+        if not salvage:
+            raise JournalCorrupt(num, off, why)
+        res.salvaged = True
+        res.cuts.append(Cut(num, off, 0, f"salvage: {why}; the snapshot is set aside"))
+        res.repairs.append(("stale", path, 0))
 
 
 def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off: int,

@@ -24,8 +24,9 @@ from ninfer_kv.errors import (
     StoreFailed,
     StoreLocked,
 )
+from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.format import SEG_HEADER_SIZE, pack_snapshot, snapshot_name
-from ninfer_kv.journal.log import SyncPolicy
+from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay
 from tests.engine.conftest import small_config
@@ -59,13 +60,38 @@ def test_stale_snapshot_is_never_reused_after_the_log_was_cut(tmp_path: Path) ->
     assert empty.stat().st_size == SEG_HEADER_SIZE
     empty.unlink()  # as if the crash came between the snapshot and the segment after it
     last = segments(jdir)[-1]
-    os.truncate(last, last.stat().st_size - 3)  # the last record is torn: recovery cuts it
+    os.truncate(last, last.stat().st_size - 3)  # the last record, fsynced before the
+    # snapshot was written, is torn: damage, which the snapshot proves (review finding: it
+    # was cut as a torn tail and the snapshot skipped as stale, losing acknowledged records)
+    with pytest.raises(JournalCorrupt, match="proves records through"):
+        KVStore.open(s.config)
+    with pytest.raises(JournalCorrupt, match="proves records through"):
+        JournalReader(str(jdir))
+    # salvage keeps the valid prefix and sets the snapshot aside
+    salvaged = Journal.open(str(jdir), CODEC, JournalOptions(salvage=True))
+    salvaged.close()
+    assert list(jdir.glob("snap-*.snap")) == [] and len(list(jdir.glob("*.stale"))) == 1
     s1 = KVStore.open(s.config)  # writes a different record under the same seq
     s1.close()
     s2 = KVStore.open(s.config)  # old code: took the stale snapshot here
-    assert any("not on this log's chain" in why for why in s2.recovery.snapshots_skipped)
+    assert s2.recovery.snapshots_skipped == []
     s2.close()
     assert replay(str(jdir)).digest == s2.digest()
+
+
+def test_a_snapshot_without_its_log_is_refused_not_replaced(tmp_path: Path) -> None:
+    """Review finding: with every segment gone and a snapshot left, the store opened empty
+    (a fresh log from record 1) and its next snapshot would overwrite the old one by name."""
+    s = KVStore.open(small_config(tmp_path))
+    s.finish(s.activate(100, 100), retain=True)
+    step(s)
+    s.snapshot()
+    s.close()
+    jdir = tmp_path / "journal"
+    for seg in segments(jdir):
+        seg.unlink()
+    with pytest.raises(JournalCorrupt, match="the log's valid records end at 0"):
+        KVStore.open(s.config)
 
 
 def test_foreign_snapshots_are_skipped_and_reported(tmp_path: Path) -> None:

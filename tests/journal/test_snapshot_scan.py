@@ -260,7 +260,8 @@ def test_a_failed_close_when_a_segment_ends_stops_the_journal() -> None:
 def test_each_skipped_snapshot_says_which_rule_it_broke() -> None:
     """Newest first: a snapshot past the log's last record, and a file whose header names
     another seq than its name (a copy of the snapshot at 40) — each skipped with its own
-    reason, not a later rule's; the snapshot at 40 is the one used."""
+    reason, not a later rule's; the snapshot at 40 is the one used. (The snapshot past the
+    end proves records were lost: only a salvaging scan goes on to list the snapshots.)"""
     fs = CrashFS()
     log_with_snapshot(fs)  # snapshot at 40, records to 80
     snap40 = fs.read(os.path.join(D, snapshot_name(40)))
@@ -269,7 +270,10 @@ def test_each_skipped_snapshot_says_which_rule_it_broke() -> None:
         f = fs.create(os.path.join(D, snapshot_name(seq)))
         f.write(body)
         f.close()
-    got = list(usable_snapshots(D, scan(D, schema_major=1, fs=fs), 1, fs))
+    with pytest.raises(JournalCorrupt, match="snapshot 120 proves records through 120"):
+        scan(D, schema_major=1, fs=fs, repair=False)
+    got = list(usable_snapshots(D, scan(D, schema_major=1, fs=fs, repair=False, salvage=True),
+                                1, fs))
     assert got[:2] == [f"{snapshot_name(120)}: seq 120 beyond the log's last valid record 80",
                        f"{snapshot_name(90)}: header says seq 40"]
     assert isinstance(got[2], Snapshot) and got[2].seq == 40 and len(got) == 3
