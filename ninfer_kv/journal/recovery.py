@@ -158,6 +158,9 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
     start at that segment, as if the ones before it had been compacted away (recovery from a
     snapshot that covers them, :func:`snapshot_segment`)."""
     res = ScanResult()
+    # listed first: the log held every record of these snapshots before they were written,
+    # so a writer appending while we read cannot make one look past the log's end
+    snaps = list_snapshots(directory, fs)
     segs = [(n, p) for n, p in list_segments(directory, fs) if n >= first_segment]
     expect_seq, chain = 1, 0
     for idx, (num, path) in enumerate(segs):
@@ -192,7 +195,7 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         res.segments[-1].data = data[:off]
         break
     res.last_seq, res.last_crc = expect_seq - 1, chain
-    _snapshots_past_the_end(directory, res, fs, salvage)
+    _snapshots_past_the_end(snaps, res, fs, salvage)
     if repair:
         apply_repairs(res, fs)
     for c in res.cuts:
@@ -201,17 +204,21 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
     return res
 
 
-def _snapshots_past_the_end(directory: str, res: ScanResult, fs: FileSystem,
+def _snapshots_past_the_end(snaps: list[tuple[int, str]], res: ScanResult, fs: FileSystem,
                             salvage: bool) -> None:
     """A well-formed snapshot at seq N proves records 1..N were durable: ``write_snapshot``
     fsyncs the log first, so no crash leaves the log shorter than a snapshot. One past the
     log's valid end is therefore damage or loss (a torn synced record, a lost segment):
     ``JournalCorrupt``, unless salvage, which keeps the valid prefix and sets the snapshot
     aside (``<name>.stale``: never loaded, counted or overwritten by the new history)."""
-    for seq, path in list_snapshots(directory, fs):
+    for seq, path in snaps:
         if seq <= res.last_seq:
             continue
-        snap = parse_snapshot(_read(fs, path))
+        try:
+            data = _read(fs, path)
+        except JournalError:  # removed since it was listed (a writer keeps a few): no proof
+            continue
+        snap = parse_snapshot(data)
         if isinstance(snap, str) or snap.seq != seq:  # damaged: proves nothing (skipped and
             continue                                  # reported by usable_snapshots)
         num = res.segments[-1].number if res.segments else 0

@@ -337,3 +337,35 @@ def test_compact_then_recover_from_snapshot_and_tail() -> None:
             fs.remove(f"{D}/{name}")
     with pytest.raises(JournalCorrupt, match="compacted"):
         _recover(fs)
+
+
+class _RacingFS(CrashFS):
+    """Runs ``hook`` once, right after a segment's bytes were read: a writer appending while a
+    read-only tool scans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook = None
+
+    def read(self, path: str, limit: int = -1) -> bytes:
+        data = super().read(path, limit)
+        if self.hook is not None and path.endswith(".log") and limit < 0:
+            hook, self.hook = self.hook, None
+            hook()
+        return data
+
+
+def test_a_snapshot_written_while_a_reader_scans_is_no_proof_of_loss() -> None:
+    """A snapshot past the log's end proves records were lost — unless it was written after
+    the reader read the log (a live store's directory): the scan lists snapshots first."""
+    fs = _RacingFS()
+    j = write_log(fs, 5)
+
+    def writer() -> None:
+        j.append(batch(6))
+        j.write_snapshot(b"state")
+
+    fs.hook = writer
+    res = scan(D, schema_major=1, fs=fs, repair=False)
+    assert res.last_seq == 5 and res.cuts == []
+    assert scan(D, schema_major=1, fs=fs, repair=False).last_seq == 6
