@@ -21,6 +21,7 @@ Any failure releases the locks and closes what was opened.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,7 +38,7 @@ from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
-from ninfer_kv.journal.fs import fsync_dir
+from ninfer_kv.journal.fs import fsync_dir, open_private
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.recovery import recover_state
 
@@ -45,7 +46,53 @@ if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
 
 ARENA_NAME = "host_arena.bin"
+ARENA_ID = "ARENA"  # in the journal directory: the token of the arena file its replicas are in
 T = TypeVar("T")
+
+
+def _token(path: str) -> str | None:
+    """The arena identity token stored at ``path`` (None: no such file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(64).decode("ascii", errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _write_token(path: str, token: str) -> None:
+    fd = open_private(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, f"{token}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _check_arena(state: StoreState, arena_path: str, jdir: str) -> str | None:
+    """The arena file is the one this journal's host replicas were published in (an identity
+    token beside each: ``<jdir>/ARENA`` and ``<arena>.id``), or — for a journal older than
+    the tokens — at least exists when the journal holds published replicas. Otherwise
+    ``ConfigError``, before anything is written: a reopen with another ``persist_dir`` (a
+    typo, a relative path) would find every replica's CRC wrong and release the checkpoints
+    for good. Returns the journal's token (None: not written yet)."""
+    mine, theirs = _token(os.path.join(jdir, ARENA_ID)), _token(arena_path + ".id")
+    exists = os.path.lexists(arena_path)
+    held = state.host is not None and bool(state.host.live)
+    if mine is not None and (not exists or theirs != mine):
+        raise ConfigError(f"host arena {arena_path} is not the one journal {jdir} published "
+                          f"its host replicas in ({'missing' if not exists else 'its token'} "
+                          f"{theirs!r} != {mine!r}): a wrong persist_dir? If that arena is lost "
+                          f"for good, remove {os.path.join(jdir, ARENA_ID)} and create an empty "
+                          f"{arena_path}: the reopen then drops the checkpoints it held")
+    if mine is None and held and not exists:
+        raise ConfigError(f"host arena {arena_path} is missing, and journal {jdir} holds "
+                          "published host replicas in it: a wrong persist_dir? If it is lost "
+                          "for good, create it empty: the reopen then drops those checkpoints")
+    return mine
 
 
 def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
@@ -129,8 +176,11 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
                                      f"the recovered state breaks §14: {'; '.join(broken[:3])}")
+        token = None
         if state.configured:                                   # 4. validate against it
             _check_matches(state, config, plan, specs, arena_path, jdir)
+            if arena_path is not None and jdir is not None and state.host_persistent == 1:
+                token = _check_arena(state, arena_path, jdir)
         if arena_path is not None and os.path.lexists(arena_path) and (
                 os.path.islink(arena_path) or not os.path.isfile(arena_path)):
             raise ConfigError(f"host arena {arena_path} is not a regular file")
@@ -149,6 +199,12 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             try:
                 arena = HostArenaBuffer(config.host_bytes, arena_path)
                 fsync_dir(os.path.dirname(arena_path))
+                if jdir is not None:  # the arena's token first: a crash between the two
+                    token = token or _token(arena_path + ".id") or secrets.token_hex(16)
+                    if _token(arena_path + ".id") != token:  # leaves a journal without
+                        _write_token(arena_path + ".id", token)  # one, which adopts it
+                    if _token(os.path.join(jdir, ARENA_ID)) != token:
+                        _write_token(os.path.join(jdir, ARENA_ID), token)
             except OSError as exc:
                 raise ConfigError(f"cannot map host arena {arena_path}: {exc.strerror or exc}"
                                   ) from None

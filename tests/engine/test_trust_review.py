@@ -27,7 +27,7 @@ from ninfer_kv.errors import (
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.format import SEG_HEADER_SIZE
-from ninfer_kv.journal.log import Journal
+from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode, paged_prefill
 from ninfer_kv.replay import replay
@@ -61,8 +61,12 @@ def test_compaction_never_trusts_a_snapshot_recovery_would_skip(tmp_path: Path) 
     assert segs[-1].stat().st_size == SEG_HEADER_SIZE  # the snapshot ended its segment
     segs.pop().unlink()  # crash before the segment after the snapshot existed
     os.truncate(segs[-1], segs[-1].stat().st_size - 5)  # the snapshot now names a cut record
+    with pytest.raises(JournalCorrupt, match="proves records through"):
+        open_()  # the snapshot proves the cut record was durable: damage, not a torn tail
+    jdir = tmp_path / "persist" / "journal"
+    Journal.open(str(jdir), CODEC, JournalOptions(salvage=True)).close()  # accept the loss
     s = open_()
-    assert s.recovery.snapshots_skipped
+    assert len(list(jdir.glob("*.stale"))) == 1  # set aside: never loaded, never counted
     churn(s, 5)
     s.compact()  # old code: removed the whole log on the strength of the stale snapshot
     s.close()
@@ -86,6 +90,50 @@ def test_a_persistent_journal_is_not_reopened_with_an_in_memory_arena(tmp_path: 
     assert tree(tmp_path) == before
     s = KVStore.open(right)
     assert s.recovery.kept == [ck]
+    s.close()
+
+
+def test_a_journal_is_reopened_only_with_the_arena_it_published_in(tmp_path: Path) -> None:
+    """Review finding: another persist_dir (a typo, a relative path), a missing arena file or
+    another store's arena of the same size was mapped, every replica failed its CRC and the
+    durable checkpoints were released for good. The arena's identity token must match the
+    journal's; nothing in the journal or the right arena changes on a refusal."""
+    def cfg(persist: str) -> StoreConfig:
+        return small_config(None, pages=80, host_bytes=8 << 20,
+                            persist_dir=str(tmp_path / persist), journal_dir=str(tmp_path / "j"))
+
+    s = KVStore.open(cfg("a"))
+    ck = checkpoint_at(s, 100)
+    s.offload(ck, drop_device=True)
+    step(s)
+    s.close()
+    other = KVStore.open(small_config(None, pages=80, host_bytes=8 << 20,
+                                      persist_dir=str(tmp_path / "b"),
+                                      journal_dir=str(tmp_path / "bj")))
+    other.close()  # "b" holds another store's arena, of the same size
+    before = {p: tree(tmp_path / p) for p in ("a", "j")}
+    for wrong in ("new", "b"):
+        with pytest.raises(ConfigError, match="is not the one journal"):
+            KVStore.open(cfg(wrong))
+    assert {p: tree(tmp_path / p) for p in ("a", "j")} == before
+    s = KVStore.open(cfg("a"))
+    assert s.recovery.kept == [ck]
+    s.close()
+    (tmp_path / "j" / "ARENA").unlink()  # a journal from before the tokens: the arena must exist
+    (tmp_path / "a" / "host_arena.bin").rename(tmp_path / "a.bin")
+    with pytest.raises(ConfigError, match="is missing"):
+        KVStore.open(cfg("a"))
+    (tmp_path / "a.bin").rename(tmp_path / "a" / "host_arena.bin")
+    s = KVStore.open(cfg("a"))  # adopts the arena's token
+    assert s.recovery.kept == [ck]
+    s.close()
+    assert (tmp_path / "j" / "ARENA").read_text() == \
+        (tmp_path / "a" / "host_arena.bin.id").read_text()
+    # the way out the refusal names, when the arena is lost for good: the checkpoints go
+    (tmp_path / "j" / "ARENA").unlink()
+    (tmp_path / "a" / "host_arena.bin").write_bytes(b"")
+    s = KVStore.open(cfg("a"))
+    assert s.recovery.kept == [] and ck in s.recovery.dropped
     s.close()
 
 
