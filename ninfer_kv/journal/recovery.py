@@ -172,6 +172,9 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
                 res.cuts.append(Cut(num, 0, len(data), f"torn segment creation: {hdr}"))
                 res.repairs.append(("remove", path, 0))
                 break
+            if salvage:
+                _salvage_from(res, segs[idx:], hdr, fs)
+                break
             raise JournalCorrupt(num, 0, hdr)
         if hdr.schema_major > schema_major:
             raise SchemaVersionError(f"segment {num} was written with event schema "
@@ -180,8 +183,12 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         if not res.segments and hdr.first_seq != 1:  # compacted: the chain starts here
             expect_seq, chain = hdr.first_seq, hdr.prev_crc
         if hdr.first_seq != expect_seq or hdr.prev_crc != chain:
-            raise JournalCorrupt(num, 0, f"segment starts at seq {hdr.first_seq} (chain "
-                                 f"{hdr.prev_crc:#x}); expected seq {expect_seq} (chain {chain:#x})")
+            why = (f"segment starts at seq {hdr.first_seq} (chain {hdr.prev_crc:#x}); expected "
+                   f"seq {expect_seq} (chain {chain:#x})")
+            if salvage:
+                _salvage_from(res, segs[idx:], why, fs)
+                break
+            raise JournalCorrupt(num, 0, why)
         frames, off, bad = scan_frames(data, SEG_HEADER_SIZE, hdr.salt, expect_seq, chain)
         if len(frames):
             last = frames.rows[-1].tolist()
@@ -202,6 +209,16 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
         log.warning("journal.cut", segment=c.segment, offset=c.offset, bytes=c.bytes_cut,
                     reason=c.reason)
     return res
+
+
+def _salvage_from(res: ScanResult, rest: list[tuple[int, str]], why: str,
+                  fs: FileSystem) -> None:
+    """Salvage at a damaged segment header, or a segment off the chain: the valid prefix is
+    the segments before it; it and every later one are cut (removed by a repair)."""
+    res.salvaged = True
+    res.cuts.append(Cut(rest[0][0], 0, sum(len(_read(fs, p)) for _, p in rest),
+                        f"salvage: {why}"))
+    res.repairs.extend(("remove", p, 0) for _, p in rest)
 
 
 def _snapshots_past_the_end(snaps: list[tuple[int, str]], res: ScanResult, fs: FileSystem,

@@ -369,3 +369,29 @@ def test_a_snapshot_written_while_a_reader_scans_is_no_proof_of_loss() -> None:
     res = scan(D, schema_major=1, fs=fs, repair=False)
     assert res.last_seq == 5 and res.cuts == []
     assert scan(D, schema_major=1, fs=fs, repair=False).last_seq == 6
+
+
+@pytest.mark.parametrize("damage", ["header", "lost segment"])
+def test_salvage_cuts_at_a_damaged_segment_header_or_a_gap(damage: str) -> None:
+    """Review finding: salvage refused (JournalCorrupt) a log whose damage hit the header of a
+    segment that is not the last, or a log missing a middle segment. It keeps the segments
+    before the damage, cuts the rest and reports it; without salvage it is still refused."""
+    fs = CrashFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    j.close()
+    segs = sorted(p for p in fs.files if p.endswith(".log"))
+    assert len(segs) >= 4
+    if damage == "header":
+        fs.files[segs[2]].durable[20] ^= 1
+    else:
+        del fs.files[segs[2]]
+    with pytest.raises(JournalCorrupt):
+        JournalReader(D, fs=fs)
+    kept = JournalReader(D, fs=fs, salvage=True)
+    last = kept.last_seq
+    assert 0 < last < 40 and list(dict(kept.records())) == list(range(1, last + 1))
+    assert len(kept.scan.cuts) == 1 and kept.scan.cuts[0].reason.startswith("salvage")
+    j = Journal.open(D, CODEC, JournalOptions(salvage=True), fs=fs)
+    assert j.last_seq == last and j.append(batch(last + 1)) == last + 1
+    j.close()
+    assert JournalReader(D, fs=fs).last_seq == last + 1  # a sound log again, no salvage
