@@ -21,7 +21,7 @@ from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import jit, quant
 from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
-from ninfer_kv.kernels.checks import check_index, check_mapped, check_values, check_view
+from ninfer_kv.kernels.checks import check_index, check_mapped, check_values, check_view, int32_or_skip
 from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
 
 _ENC_CPU = quant.for_target(quant.encode_row, cpu=True)
@@ -64,10 +64,11 @@ def _append_cuda() -> Any:
             b = i // n_heads
             h = i % n_heads
             pos = positions[b]
+            r = rows[b]
             g = -1
-            if pos >= 0 and (pos >> 6) < tables.shape[1]:  # never another row's entries
-                g = tables[rows[b], pos >> 6]
-            if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
+            if pos >= 0 and (pos >> 6) < tables.shape[1] and 0 <= r < tables.shape[0]:
+                g = tables[r, pos >> 6]  # never another row's entries (nor a wrapped row)
+            if 0 <= g < kc.shape[0]:  # an unmapped (-1) or foreign entry: never written through
                 o = pos & 63
                 enc(k_codec, k[b, h], kc, ks, g, h, o, d)
                 enc(v_codec, v[b, h], vc, vs, g, h, o, d)
@@ -106,8 +107,7 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     k_id, v_id = side_codecs(view.storage)
     kf = k.float().contiguous()
     vf = v.float().contiguous()
-    rows = table_rows.to(torch.int32)
-    pos = positions.to(torch.int32)
+    rows, pos = int32_or_skip(table_rows), int32_or_skip(positions)
     args = [dev_view(t) for t in (kc, ks, vc, vs)] + [k_id, v_id] + [
         dev_view(t) for t in (view.block_tables, rows, pos, kf, vf)]
     if use_cuda_kernels(kc, force_sim=force_cuda_sim):

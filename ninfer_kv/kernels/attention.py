@@ -41,7 +41,7 @@ from ninfer_kv.kernels.backend import (
     simulator,
     use_cuda_kernels,
 )
-from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view
+from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view, int32_or_skip
 
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
@@ -215,12 +215,17 @@ def _decode_cuda(ne: int = 4, ng: int = 4, kcodec: int = 0, vcodec: int = 0) -> 
         start = s * chunk
         end = min(ctx, start + chunk)
         row = rows[b]
+        if row < 0 or row >= tables.shape[0]:  # a skipped row (int32_or_skip): reads nothing
+            end = start
         iters = (max(0, end - start) + WARPS - 1) // WARPS
         for it in range(iters):             # uniform trip count across the block
             t = start + it * WARPS + warp
-            valid = t < end
+            valid = t < end and (t >> 6) < tables.shape[1]
+            g = -1
             if valid:
                 g = tables[row, t >> 6]
+                valid = 0 <= g < kc.shape[0]  # unmapped or foreign: skipped, never wrapped
+            if valid:
                 o = t & 63
                 load(KC, kc, ks, g, h, o, d0, NE, kr, lut8, lut4)
                 load(VC, vc, vs, g, h, o, d0, NE, vr, lut8, lut4)
@@ -268,6 +273,8 @@ def _combine(out_m: torch.Tensor, out_l: torch.Tensor, out_acc: torch.Tensor) ->
     mx = out_m.max(dim=-1, keepdim=True).values
     w = torch.where(out_m > -math.inf, torch.exp(out_m - mx), torch.zeros_like(out_m))
     tot = (out_l * w).sum(-1)
+    # a row with context 0 attends to nothing: a zero row (FlashInfer's convention), not 0/0
+    tot = torch.where(tot > 0, tot, torch.ones_like(tot))
     return (out_acc * w.unsqueeze(-1)).sum(-2) / tot.unsqueeze(-1)
 
 
@@ -304,8 +311,8 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     out_acc = torch.empty((n_rows, hq, splits, d), dtype=torch.float32, device=dev)
     qf = q.float().contiguous()
     args = [dev_view(t) for t in (qf, kc, ks, vc, vs)] + [k_id, v_id] + [
-        dev_view(t) for t in (view.block_tables, table_rows.to(torch.int32),
-                              context_lens.to(torch.int32))] + [np.float32(scale), splits] + [
+        dev_view(t) for t in (view.block_tables, int32_or_skip(table_rows),
+                              int32_or_skip(context_lens))] + [np.float32(scale), splits] + [
         dev_view(t) for t in (out_m, out_l, out_acc)]
     if cuda_path:
         ng = heads_per_block(hq // h_kv)
@@ -323,6 +330,9 @@ def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: t
     check_index(table_rows, "table_rows", "paged_prefill")
     check_index(start, "start", "paged_prefill")
     n_rows, t, hq, d = q.shape
+    if start.shape != (n_rows,) or bool((start.cpu() < 0).any()):
+        raise InvalidArgument(f"paged_prefill: start {start.tolist()} must be [B] positions "
+                              ">= 0 (the tokens already in each row)")
     rows = table_rows.repeat_interleave(t)
     ctx = (start.view(-1, 1) + torch.arange(1, t + 1, device=start.device)).reshape(-1)
     out = paged_decode(q.reshape(n_rows * t, hq, d), view, rows, ctx, **kw)

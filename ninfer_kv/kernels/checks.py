@@ -97,6 +97,15 @@ def _refuse_first(bad: torch.Tensor, message: Callable[[int], str]) -> None:
         raise InvalidArgument(message(int(bad.nonzero()[0, 0])))
 
 
+def int32_or_skip(t: torch.Tensor) -> torch.Tensor:
+    """Rows, positions and context lengths as the kernels' int32, on the tensor's device
+    without a host sync: a value outside [0, 2**31) becomes -1, which every kernel skips (a
+    plain cast would wrap 2**32 to 0 — another row, or a committed token — on CUDA tensors,
+    which no host check sees)."""
+    t = t.to(torch.int64)  # compared as int64: 2**31 does not fit an int32 tensor's dtype
+    return torch.where((t >= 0) & (t < 2**31), t, -1).to(torch.int32)
+
+
 def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
                  who: str) -> None:
     """Every ``(table_rows[i], positions[i])`` lies in the table and maps a page group."""
@@ -127,8 +136,11 @@ def check_read_domain(view: Any, table_rows: torch.Tensor, context_lens: torch.T
                   lambda i: f"{who}: row {i} (table row {int(r[i])}, context {int(ctx[i])}) "
                             f"is outside the table [C={rows}, L*P={cols * P}]")
     needed = torch.arange(cols).view(1, -1) < ((ctx + P - 1) // P).view(-1, 1)
-    unmapped = needed & (tables[r] < 0)
+    n_pages = view.k_pages.shape[0 if view.order is PlaneOrder.PAGE_MAJOR else 1]
+    g = tables[r]
+    unmapped = needed & ((g < 0) | (g >= n_pages))  # past the pool: another's memory
     if bool(unmapped.any()):
         i, b = (int(x) for x in unmapped.nonzero()[0])
         raise InvalidArgument(f"{who}: row {i} (table row {int(r[i])}) reads block {b} below "
-                              f"its context {int(ctx[i])}, which is not mapped (§12.4)")
+                              f"its context {int(ctx[i])}, which maps page group "
+                              f"{int(g[i, b])}: not a mapped page of the {n_pages} (§12.4)")

@@ -34,7 +34,7 @@ from ninfer_kv.kernels.backend import (
     scale_or_dummy,
     use_cuda_kernels,
 )
-from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view
+from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view, int32_or_skip
 from ninfer_kv.kernels.prefill_cuda import prefill_kernel, tile_queries
 
 TILE = 16
@@ -134,8 +134,9 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)
     seq = torch.repeat_interleave(torch.arange(len(n)), n)
     within = torch.arange(q.shape[0]) - (torch.cumsum(n, 0) - n)[seq]
-    per_query = (ctx[seq] - n[seq] + within + 1).to(torch.int32).to(context_lens.device)
-    rows = table_rows.to(torch.int32)[seq.to(table_rows.device)]
+    # int64 until checked: a cast first would check (and read) a wrapped row or context
+    per_query = (ctx[seq] - n[seq] + within + 1).to(context_lens.device)
+    rows = table_rows.to(torch.int64)[seq.to(table_rows.device)]
     kc = page_major(view.k_pages, view.order)
     cuda_path = use_cuda_kernels(kc, force_sim=force_cuda_sim)
     if not tiled:
@@ -152,6 +153,7 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               "32/64/128/256 (each lane's D/32 elements in one scale group)")
     check_view(view, "paged_prefill_varlen")
     check_read_domain(view, rows, per_query, "paged_prefill_varlen")  # every query's reads
+    check_read_domain(view, table_rows, ctx, "paged_prefill_varlen")  # the rows' own contexts
     starts = torch.cumsum(n, 0) - n
     ng = heads_per_block(hq // h_kv)
     tile = tile_queries(ng) if cuda_path else TILE
@@ -168,9 +170,9 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
         return out.to(q.dtype)
     if cuda_path:
         dev = q.device
-        ints = [t.to(torch.int32).to(dev) for t in (item[0], item[1], item[2], starts, ctx - n)]
+        ints = [int32_or_skip(t.to(dev)) for t in (item[0], item[1], item[2], starts, ctx - n)]
         args = [dev_view(t) for t in (q.float().contiguous(), kc, ks, vc, vs)] + [k_id, v_id] + [
-            dev_view(t) for t in (view.block_tables, table_rows.to(torch.int32), *ints)] + [
+            dev_view(t) for t in (view.block_tables, int32_or_skip(table_rows), *ints)] + [
             scale, dev_view(out)]
         launch(prefill_kernel(d // 32, ng, k_id, v_id), (len(items), h_kv * (hq // h_kv // ng)),
                THREADS, *args)

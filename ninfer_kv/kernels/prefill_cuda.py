@@ -78,12 +78,17 @@ def prefill_kernel(ne: int, ng: int, kcodec: int, vcodec: int) -> Any:
                 acc[p, e] = 0.0
                 qr[p, e] = q[q0 + i, hq0 + p % NG, d0 + e] * sm_scale if i < nq else 0.0
         row = rows[b]
+        if row < 0 or row >= tables.shape[0]:  # a skipped row (int32_or_skip): reads nothing
+            end = 0
         iters = (end + WARPS - 1) // WARPS
         for step in range(iters):          # uniform trip count across the block
             t = step * WARPS + warp
-            valid = t < end
+            valid = t < end and (t >> 6) < tables.shape[1]
+            g = -1
             if valid:
                 g = tables[row, t >> 6]
+                valid = 0 <= g < kc.shape[0]  # unmapped or foreign: skipped, never wrapped
+            if valid:
                 o = t & 63
                 load(KC, kc, ks, g, h, o, d0, NE, kr, lut8, lut4)
                 load(VC, vc, vs, g, h, o, d0, NE, vr, lut8, lut4)

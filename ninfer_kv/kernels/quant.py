@@ -104,10 +104,14 @@ def load_lane(codec, code, scale, g, h, o, d0, ne, out, lut8, lut4):  # noqa: AN
             out[e] = lut8[code[g, h, o, d0 + e]] * sf
     else:
         sf = lut8[scale[g, h, o, d0 >> 4]]
-        for e in range(0, ne, 2):
-            byte = code[g, h, o, (d0 + e) >> 1]
-            out[e] = lut4[byte & 15] * sf
-            out[e + 1] = lut4[byte >> 4] * sf
+        if ne == 1:  # D = 32: one element a lane, the low or high nibble of its byte
+            byte = code[g, h, o, d0 >> 1]
+            out[0] = lut4[(byte >> 4) if d0 & 1 else (byte & 15)] * sf
+        else:        # an even count from an even d0: whole bytes
+            for e in range(0, ne, 2):
+                byte = code[g, h, o, (d0 + e) >> 1]
+                out[e] = lut4[byte & 15] * sf
+                out[e + 1] = lut4[byte >> 4] * sf
 
 
 def for_target(fn, cpu: bool):  # noqa: ANN001, ANN201

@@ -104,3 +104,59 @@ def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
         for g in (2, 0, 5):
             assert torch.equal(page(t, g), page(s, g))
         assert not page(t, 1).any()
+
+
+@pytest.mark.parametrize("profile", [p for p in Profile if p is not Profile.INT8_G64])
+def test_sim_head_dim_32_equals_the_cpu_kernels(profile: Profile) -> None:  # (int8-g64's
+    # 64-element groups need D >= 64: a geometry the store refuses, ConfigError)
+    """Review finding: at D=32 a lane holds one element, and the NVFP4 lane loader read a
+    pair (out[1] past its one-element array; odd lanes took their neighbour's nibble), so
+    CUDA decode and prefill of nvfp4-g16 and k8v4 were wrong."""
+    from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+    view = make_view(profile, 1, 32, pages=4, rows=2, logical=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 1, 32, generator=gen)
+    append_kv(view, torch.ones(70, dtype=torch.int32), torch.arange(70), x, x)
+    q = torch.randn(1, 2, 32, generator=gen)
+    r, c = torch.tensor([1]), torch.tensor([70])
+    want = paged_decode(q, view, r, c)
+    assert (paged_decode(q, view, r, c, force_cuda_sim=True) - want).abs().max() < 1e-5
+    got = paged_prefill_varlen(q, view, r, torch.tensor([0, 1]), c, force_cuda_sim=True)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_sim_kernels_skip_what_no_host_check_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For CUDA tensors the wrappers check nothing on the host; the kernels must skip an
+    unmapped entry, a row outside the table and a position past int32 — review finding: the
+    CUDA decode and prefill kernels read entry -1 as the pool's last page (another request's
+    KV), append and decode took row -1 as the last row, and position 2**32 wrapped to 0 (a
+    committed token overwritten). The simulator runs them with the host checks off."""
+    import dataclasses
+
+    import ninfer_kv.kernels.append as app
+    import ninfer_kv.kernels.attention as att
+    import ninfer_kv.kernels.prefill as pre
+
+    view = make_view(Profile.BF16, 1, 32, pages=4, rows=2, logical=2)
+    view = dataclasses.replace(view, block_tables=torch.tensor([[0, -1], [1, 3]],
+                                                               dtype=torch.int32))
+    one = torch.ones(64, 1, 32)
+    append_kv(view, torch.zeros(64, dtype=torch.int32), torch.arange(64), one, one)  # row 0
+    append_kv(view, torch.ones(64, dtype=torch.int32), torch.arange(64, 128), one, 1000 * one)
+    for mod, name in ((app, "check_mapped"), (att, "check_read_domain"),
+                      (pre, "check_read_domain")):
+        monkeypatch.setattr(mod, name, lambda *a: None)  # as for CUDA tensors
+    before = view.v_pages.clone()
+    for rows, pos in (([0], [64]), ([-1], [64]), ([0], [2**32])):
+        app.append_kv(view, torch.tensor(rows), torch.tensor(pos), one[:1], -5 * one[:1],
+                      force_cuda_sim=True)
+        assert torch.equal(view.v_pages, before), (rows, pos)
+    q = torch.zeros(1, 1, 32)
+    out = att.paged_decode(q, view, torch.tensor([0]), torch.tensor([65]), force_cuda_sim=True)
+    assert torch.allclose(out, torch.ones_like(out))  # block 1 skipped, not page 3's 1000s
+    out = pre.paged_prefill_varlen(q, view, torch.tensor([0]), torch.tensor([0, 1]),
+                                   torch.tensor([65]), force_cuda_sim=True)
+    assert torch.allclose(out, torch.ones_like(out))
+    out = att.paged_decode(q, view, torch.tensor([-1]), torch.tensor([65]), force_cuda_sim=True)
+    assert torch.equal(out, torch.zeros_like(out))  # no row: attends to nothing

@@ -81,3 +81,38 @@ def test_decode_rows_and_lengths_must_match_the_queries(bf16) -> None:  # noqa: 
         paged_decode(q, bf16, torch.tensor([0]), torch.tensor([5, 5]))
     with pytest.raises(InvalidArgument, match="table_rows and context_lens must be"):
         paged_decode(q, bf16, torch.tensor([0, 1]), torch.tensor([5]))
+
+
+def test_reads_refuse_a_page_group_past_the_pool(bf16) -> None:  # noqa: ANN001
+    """Review finding: the read check refused only entries below 0; an entry at or past the
+    pool's page count was read (another allocation's memory, or SIGSEGV)."""
+    tables = bf16.block_tables.clone()
+    tables[0, 0] = bf16.k_pages.shape[0]
+    view = dataclasses.replace(bf16, block_tables=tables)
+    with pytest.raises(InvalidArgument, match="maps page group 16: not a mapped page of the 16"):
+        paged_decode(torch.randn(1, H, D), view, ROWS, torch.tensor([1]))
+
+
+@pytest.mark.parametrize("field", ["table_rows", "context_lens"])
+def test_prefill_checks_the_int64_values_not_their_int32_casts(bf16, field: str) -> None:  # noqa: ANN001
+    """Review finding: paged_prefill_varlen cast rows and contexts to int32 before its check,
+    so table row 2**32 read row 0 and a context of 2**32 + 4 passed as 4, then the CPU kernel
+    walked the table with the int64 value (SIGSEGV)."""
+    from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+    args = {"table_rows": torch.tensor([0]), "context_lens": torch.tensor([4])}
+    args[field] = args[field] + 2**32
+    with pytest.raises(InvalidArgument, match="outside the table"):
+        paged_prefill_varlen(torch.randn(1, H, D), bf16, args["table_rows"],
+                             torch.tensor([0, 1]), args["context_lens"])
+
+
+def test_a_row_with_no_context_attends_to_nothing(bf16) -> None:  # noqa: ANN001
+    """Review finding: a decode row with context 0 came back NaN (0/0); it is a zero row, as
+    FlashInfer returns. paged_prefill's start below 0 is refused."""
+    from ninfer_kv.kernels.attention import paged_prefill
+
+    out = paged_decode(torch.randn(2, H, D), bf16, torch.tensor([0, 1]), torch.tensor([0, 3]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(out[1].isfinite().all())
+    with pytest.raises(InvalidArgument, match="must be \\[B\\] positions >= 0"):
+        paged_prefill(torch.randn(1, 1, H, D), bf16, ROWS, torch.tensor([-1]))
