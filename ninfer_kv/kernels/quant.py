@@ -105,8 +105,8 @@ def load_lane(codec, code, scale, g, h, o, d0, ne, out, lut8, lut4):  # noqa: AN
     else:
         sf = lut8[scale[g, h, o, d0 >> 4]]
         if ne == 1:  # D = 32: one element a lane, the low or high nibble of its byte
-            byte = code[g, h, o, d0 >> 1]
-            out[0] = lut4[(byte >> 4) if d0 & 1 else (byte & 15)] * sf
+            shift = 4 * (d0 & 1)
+            out[0] = lut4[(code[g, h, o, d0 >> 1] >> shift) & 15] * sf
         else:        # an even count from an even d0: whole bytes
             for e in range(0, ne, 2):
                 byte = code[g, h, o, (d0 + e) >> 1]
