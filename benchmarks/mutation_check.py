@@ -108,6 +108,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
                  "engine/continuation.py", "engine/host.py", "engine/growth.py",
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
+                 "journal/restore.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "dist/replica.py", "dist/follower.py",
@@ -132,9 +133,10 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/restart.py", "filter", ("recover_cleanup",), ops=("select",)),
     Target("engine/restart.py", "recovery", ("recover_cleanup",)),
     Target("engine/host.py", "recovery", ("verify_checkpoint",)),
-    Target("journal/recovery.py", "recovery", ("usable_snapshots", "scan", "_judge_damage",
-                                                "snapshot_segment", "scan_from_snapshot",
-                                                "recover_state")),
+    Target("journal/recovery.py", "recovery", ("scan", "_judge_damage", "_salvage_from",
+                                                "_snapshots_past_the_end")),
+    Target("journal/restore.py", "recovery", ("usable_snapshots", "snapshot_segment",
+                                               "scan_from_snapshot", "recover_state")),
 )
 
 VERDICT_NAMES = frozenset({"bad", "reason", "durable_later", "twice"})

@@ -25,7 +25,8 @@ from ninfer_kv.engine.state import StoreState, decode_state
 from ninfer_kv.engine.store import KVStore, StoreConfig
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.log import SyncPolicy
-from ninfer_kv.journal.recovery import recover_state, scan
+from ninfer_kv.journal.recovery import scan
+from ninfer_kv.journal.restore import recover_state
 
 
 def config(d: str, seqs: int, life: int) -> StoreConfig:

@@ -40,7 +40,7 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.fs import fsync_dir, open_private
 from ninfer_kv.journal.log import Journal, JournalOptions
-from ninfer_kv.journal.recovery import recover_state
+from ninfer_kv.journal.restore import recover_state
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn

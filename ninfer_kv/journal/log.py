@@ -40,9 +40,8 @@ from ninfer_kv.journal.recovery import (
     list_segments,
     list_snapshots,
     scan,
-    scan_from_snapshot,
-    usable_snapshots,
 )
+from ninfer_kv.journal.restore import scan_from_snapshot, usable_snapshots
 
 log = structlog.get_logger(__name__)
 
@@ -238,7 +237,7 @@ class Journal:
         """Persist an engine state taken after record ``last_seq`` (log synced first), then
         end the segment: the next record starts a new one whose header names the snapshot's
         record CRC, so recovery scans from there and never re-reads what the snapshot covers
-        (``recovery.snapshot_segment``)."""
+        (``restore.snapshot_segment``)."""
         self.sync()
         path = os.path.join(self.directory, snapshot_name(self.last_seq))
         tmp = path + ".tmp"

@@ -14,7 +14,7 @@ from ninfer_kv.engine.invariants import load_snapshot, violations
 from ninfer_kv.engine.state import StoreState, digest, to_snapshot
 from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.reader import JournalReader
-from ninfer_kv.journal.recovery import usable_snapshots
+from ninfer_kv.journal.restore import usable_snapshots
 
 
 @dataclass(frozen=True, slots=True)

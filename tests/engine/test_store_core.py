@@ -260,7 +260,7 @@ def test_snapshot_recovery_equals_full_replay(make_store: MakeStore, tmp_path) -
     from ninfer_kv.engine.apply import apply_all
     from ninfer_kv.engine.state import decode_state, digest
     from ninfer_kv.journal.events import CODEC
-    from ninfer_kv.journal.recovery import recover_state
+    from ninfer_kv.journal.restore import recover_state
 
     def apply_record(st, seq, payload) -> None:  # noqa: ANN001
         apply_all(st, CODEC.decode(payload))

@@ -15,7 +15,8 @@ from ninfer_kv.journal.events import CODEC, CommitFrontiers, EventCodec, Trim, p
 from ninfer_kv.journal.format import SEG_HEADER_SIZE, segment_name
 from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
 from ninfer_kv.journal.reader import JournalReader
-from ninfer_kv.journal.recovery import recover_state, scan
+from ninfer_kv.journal.recovery import scan
+from ninfer_kv.journal.restore import recover_state
 from tests.journal.crashfs import CrashFS
 
 D = "/j"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ninfer_kv.journal.events import CODEC, CommitFrontiers, pack, unpack
 from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
-from ninfer_kv.journal.recovery import recover_state
+from ninfer_kv.journal.restore import recover_state
 from tests.journal.crashfs import CrashFS
 
 D = "/p"

@@ -23,7 +23,8 @@ from ninfer_kv.journal.format import (
     snapshot_name,
 )
 from ninfer_kv.journal.log import Journal, JournalOptions, SyncPolicy
-from ninfer_kv.journal.recovery import scan, snapshot_segment, usable_snapshots
+from ninfer_kv.journal.recovery import scan
+from ninfer_kv.journal.restore import snapshot_segment, usable_snapshots
 from tests.journal.crashfs import CrashFS
 from tests.journal.test_journal import Counter, D, _apply, _recover, batch, write_log
 
