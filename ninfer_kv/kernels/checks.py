@@ -50,9 +50,12 @@ def check_values(t: Any, name: str, who: str, ndim: int) -> None:
 
 
 def check_view(view: Any, who: str) -> None:
-    tables = view.block_tables
-    if tables.dtype != torch.int32 or tables.dim() not in (1, 2):
-        raise InvalidArgument(f"{who}: block table must be int32 [C, L] (or [L]), got "
+    tables = getattr(view, "block_tables", None)
+    if not isinstance(tables, torch.Tensor):  # e.g. §12.1's one-sequence PagedKVLayerView
+        raise InvalidArgument(f"{who}: takes a batch view with a block-table matrix "
+                              f"(store.batch_view, §12.2), not a {type(view).__name__}")
+    if tables.dtype != torch.int32 or tables.dim() != 2:  # the kernels index [row, block]
+        raise InvalidArgument(f"{who}: block table must be int32 [C, L], got "
                               f"{tables.dtype} {tuple(tables.shape)}")
     n_pages = None
     for side, codec in zip(("k", "v"), view.storage.codecs, strict=True):
@@ -88,8 +91,7 @@ def _host_tables(view: Any, *tensors: torch.Tensor) -> torch.Tensor | None:
     """The [C, L] table when the check runs on the host (every tensor on the CPU), else None."""
     if view.block_tables.is_cuda or any(t.is_cuda for t in tensors):
         return None
-    t = view.block_tables
-    return t if t.dim() == 2 else t.view(1, -1)
+    return view.block_tables
 
 
 def _refuse_first(bad: torch.Tensor, message: Callable[[int], str]) -> None:
@@ -122,6 +124,12 @@ def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
     _refuse_first((g < 0) | (g >= n_pages),
                   lambda i: f"{where(i)} maps page group {int(g[i])}: not mapped "
                             "(ensure_mapped before the launch, §8.1)")
+    if len(r) > 1:  # two writes of one token run in parallel: a row could mix their bytes
+        keys, counts = torch.unique(r * (cols * P) + pos, return_counts=True)
+        if bool((counts > 1).any()):
+            k = int(keys[counts > 1][0])
+            raise InvalidArgument(f"{who}: table row {k // (cols * P)} position "
+                                  f"{k % (cols * P)} is written twice in one call")
 
 
 def check_read_domain(view: Any, table_rows: torch.Tensor, context_lens: torch.Tensor,

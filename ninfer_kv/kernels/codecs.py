@@ -132,8 +132,9 @@ def int8_encode(v: float) -> int:
         return np.int8(127)
     if v <= -INT8_MAX:
         return np.int8(-127)
-    r = math.floor(v + np.float32(0.5))
-    if r - v == np.float32(0.5) and (np.int32(r) & 1) != 0:
+    d = np.float64(v)  # in float64 the sum and the tie test are exact: in float32 the
+    r = math.floor(d + 0.5)  # largest value below 0.5 rounded up to 1.0 (numpy and numba,
+    if r - d == 0.5 and (np.int64(r) & 1) != 0:  # CPU and the simulator, disagreed on the tie)
         r -= 1.0
     if r > INT8_MAX:
         r = INT8_MAX

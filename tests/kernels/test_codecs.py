@@ -122,6 +122,29 @@ def test_property_group_codecs_match_reference(values: list[float], codec: str) 
         assert np.array_equal(scale[0], rscale)
 
 
+INT8_EDGES = np.array([0.49999997, 0.5, 1.4999999, 1.5, 2.5, -0.49999997, -2.5, 126.49999,
+                       126.5, 3.5000002, 0.0, -0.0], np.float32)
+
+
+def test_int8_rounds_half_to_even_exactly() -> None:
+    """Review finding: int8_encode added 0.5 in float32, so the largest float32 below 0.5
+    rounded up to 1 in the compiled kernels (round half to even gives 0), while the
+    simulator's numpy arithmetic gave 0: the CPU and CUDA paths stored different bytes."""
+    want = np.rint(INT8_EDGES).astype(np.int8)
+    assert [int(codecs.CPU.int8_encode(v)) for v in INT8_EDGES] == want.tolist()
+    gpu = codecs.gpu()
+
+    @cuda.jit
+    def enc(x, o):  # noqa: ANN001
+        i = cuda.grid(1)
+        if i < x.size:
+            o[i] = gpu.int8_encode(x[i])
+
+    out = np.empty(INT8_EDGES.size, np.int8)
+    enc[1, 32](INT8_EDGES, out)
+    assert out.tolist() == want.tolist()
+
+
 # --- CUDA device functions in the simulator ---------------------------------------------------
 def test_gpu_device_functions_bit_exact_in_simulator() -> None:
     assert numba.config.ENABLE_CUDASIM, "CI runs the CUDA codecs under the simulator"

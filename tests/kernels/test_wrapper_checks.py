@@ -116,3 +116,24 @@ def test_a_row_with_no_context_attends_to_nothing(bf16) -> None:  # noqa: ANN001
     assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(out[1].isfinite().all())
     with pytest.raises(InvalidArgument, match="must be \\[B\\] positions >= 0"):
         paged_prefill(torch.randn(1, 1, H, D), bf16, ROWS, torch.tensor([-1]))
+
+
+def test_one_sequence_views_and_one_d_tables_are_refused(bf16) -> None:  # noqa: ANN001
+    """Review finding: §12.1's PagedKVLayerView reached the kernels as an AttributeError (no
+    block_tables), and a 1-D table passed the view check to fail inside numba's typing."""
+    q, (k, v) = torch.randn(1, H, D), kv(1)
+    flat = dataclasses.replace(bf16, block_tables=bf16.block_tables[0].contiguous())
+    for view in (flat, bf16.row_view(0)):
+        with pytest.raises(InvalidArgument):
+            append_kv(view, ROWS, torch.tensor([0]), k, v)
+        with pytest.raises(InvalidArgument):
+            paged_decode(q, view, ROWS, torch.tensor([1]))
+
+
+def test_a_token_written_twice_in_one_append_is_refused(bf16) -> None:  # noqa: ANN001
+    """Review finding: the two writes ran in parallel and a row could end up with one's scale
+    and the other's codes."""
+    k, v = kv(2)
+    with pytest.raises(InvalidArgument, match="table row 0 position 3 is written twice"):
+        append_kv(bf16, torch.tensor([0, 0]), torch.tensor([3, 3]), k, v)
+    append_kv(bf16, torch.tensor([0, 1]), torch.tensor([3, 3]), k, v)  # two rows: fine
