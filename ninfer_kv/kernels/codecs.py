@@ -158,9 +158,10 @@ def fp8_scale(amax: float) -> int:
 
 
 def quant_div(x: float, s: float) -> float:
-    """x / s, or 0 when the scale decoded to zero (an all-zero or underflowing group)."""
+    """x / s, or 0 when the scale decoded to zero (an all-zero or underflowing group) — a
+    NaN element stays NaN (its codec's NaN rule applies, as in a group with a scale)."""
     if s == np.float32(0.0):
-        return np.float32(0.0)
+        return np.float32(x) if x != x else np.float32(0.0)
     return np.float32(x) / np.float32(s)
 
 

@@ -37,28 +37,34 @@ def fp4_val(nib: np.ndarray) -> np.ndarray:
     return np.asarray(nib, np.uint8).view(FP4).astype(np.float32)
 
 
+def _amax(g: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """|g|'s max with NaN elements not raising it (docs/codecs.md): 0 for an all-NaN group."""
+    return np.where(np.isnan(g), np.float32(0), np.abs(g)).max(axis)
+
+
 def encode_row(codec: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(codes, scales) of one row, as docs/codecs.md defines them."""
+    """(codes, scales) of one row, as docs/codecs.md defines them (a NaN element: FP8 code
+    0x7F, INT8 and FP4 code 0; it does not raise its group's scale)."""
     x = np.asarray(x, np.float32)
     if codec == "bf16":
         return bf16_bits(x), None
     if codec == "int8-g64":
         g = x.reshape(-1, 64)
-        s = bf16_bits(np.abs(g).max(1) / np.float32(127))
+        s = bf16_bits(_amax(g, 1) / np.float32(127))
         sv = bf16_val(s)[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
-            v = np.where(sv == 0, 0, g / sv).astype(np.float32)
+            v = np.where((sv == 0) | np.isnan(g), 0, g / sv).astype(np.float32)
         return np.clip(np.rint(v), -127, 127).astype(np.int8).reshape(-1), s
     if codec == "fp8-e4m3fn-row256":
-        s = bf16_bits(np.array([np.abs(x).max() / np.float32(448)], np.float32))
+        s = bf16_bits(np.array([_amax(x) / np.float32(448)], np.float32))
         sv = bf16_val(s)[0]
-        v = (x / sv).astype(np.float32) if sv != 0 else np.zeros_like(x)
+        v = (x / sv).astype(np.float32) if sv != 0 else np.where(np.isnan(x), x, 0)
         return fp8_bits(v), s
     g = x.reshape(-1, 16)
-    s = fp8_bits(np.minimum(np.abs(g).max(1) / np.float32(6), np.float32(448)))
+    s = fp8_bits(np.minimum(_amax(g, 1) / np.float32(6), np.float32(448)))
     sv = fp8_val(s)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.where(sv == 0, 0, g / sv).astype(np.float32)
+        v = np.where((sv == 0) | np.isnan(g), 0, g / sv).astype(np.float32)
     nib = fp4_bits(v).reshape(-1)
     return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8), s
 
