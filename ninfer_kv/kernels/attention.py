@@ -303,7 +303,9 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     if cuda_path and not cuda_head_dim_ok(d):
         raise InvalidArgument(f"paged_decode: head_dim={d} on CUDA: need D in 32/64/128/256 "
                               "(each lane's D/32 elements must sit in one scale group)")
-    max_ctx = int(context_lens.max()) if n_rows else 0
+    if not n_rows:  # no launch: a CUDA grid may not be empty
+        return q.new_zeros(q.shape)
+    max_ctx = int(context_lens.max())
     splits = n_split or choose_splits(n_rows, h_kv, max_ctx, cuda_path)
     dev = q.device
     out_m = torch.empty((n_rows, hq, splits), dtype=torch.float32, device=dev)

@@ -137,3 +137,19 @@ def test_a_token_written_twice_in_one_append_is_refused(bf16) -> None:  # noqa: 
     with pytest.raises(InvalidArgument, match="table row 0 position 3 is written twice"):
         append_kv(bf16, torch.tensor([0, 0]), torch.tensor([3, 3]), k, v)
     append_kv(bf16, torch.tensor([0, 1]), torch.tensor([3, 3]), k, v)  # two rows: fine
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cuda-sim"])
+def test_an_empty_decode_batch_launches_nothing(bf16, sim: bool, monkeypatch) -> None:  # noqa: ANN001
+    """Review note: an empty batch launched a CUDA grid with x = 0 (the simulator accepts
+    it; a device refuses an empty grid). It returns an empty output without a launch."""
+    import ninfer_kv.kernels.attention as att
+
+    def no_launch(*a: object) -> None:
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(att, "launch", no_launch)
+    monkeypatch.setattr(att, "_decode_cpu", no_launch)
+    out = paged_decode(torch.randn(0, H, D), bf16, torch.zeros(0, dtype=torch.int32),
+                       torch.zeros(0, dtype=torch.int64), force_cuda_sim=sim)
+    assert out.shape == (0, H, D)
