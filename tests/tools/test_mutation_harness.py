@@ -118,7 +118,7 @@ def test_discovery_finds_every_kind_in_the_package() -> None:
     assert len(ids) == len(ms)
     for want in ("engine/host.py:can_drop_device:filter:pg.pins == 0 -> True",
                  "engine/decode.py:writable:filter:pg.writer == bundle -> True",
-                 "journal/recovery.py:usable_snapshots:recovery:snap.seq != seq -> False"):
+                 "journal/restore.py:usable_snapshots:recovery:snap.seq != seq -> False"):
         assert want in ids
     assert any(i.startswith("engine/decode.py:commit_many:raise:FrontierError") for i in ids)
     assert any(i.startswith("engine/invariants.py:_pool_violations:check:") for i in ids)
