@@ -53,12 +53,15 @@ T = TypeVar("T")
 def _token(path: str) -> str | None:
     """The arena identity token stored at ``path`` (None: no such file)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(64).decode("ascii", errors="replace").strip()
+        fd = open_private(path, os.O_RDONLY)  # never through a symlink, as every store file
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return os.read(fd, 64).decode("ascii", errors="replace").strip()
+    finally:
+        os.close(fd)
 
 
 def _write_token(path: str, token: str) -> None:
