@@ -38,7 +38,7 @@ from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
-from ninfer_kv.journal.fs import fsync_dir, open_private
+from ninfer_kv.journal.fs import OS_FS, fsync_dir, open_private, replace_durably
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.restore import recover_state
 
@@ -62,17 +62,6 @@ def _token(path: str) -> str | None:
         return os.read(fd, 64).decode("ascii", errors="replace").strip()
     finally:
         os.close(fd)
-
-
-def _write_token(path: str, token: str) -> None:
-    fd = open_private(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.write(fd, f"{token}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(path + ".tmp", path)
-    fsync_dir(os.path.dirname(path))
 
 
 def _check_arena(state: StoreState, arena_path: str, jdir: str) -> str | None:
@@ -203,11 +192,13 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 arena = HostArenaBuffer(config.host_bytes, arena_path)
                 fsync_dir(os.path.dirname(arena_path))
                 if jdir is not None:  # the arena's token first: a crash between the two
-                    token = token or _token(arena_path + ".id") or secrets.token_hex(16)
-                    if _token(arena_path + ".id") != token:  # leaves a journal without
-                        _write_token(arena_path + ".id", token)  # one, which adopts it
+                    theirs = _token(arena_path + ".id")  # leaves a journal without one,
+                    token = token or theirs or secrets.token_hex(16)  # which adopts it
+                    if theirs != token:
+                        replace_durably(OS_FS, arena_path + ".id", f"{token}\n".encode())
                     if _token(os.path.join(jdir, ARENA_ID)) != token:
-                        _write_token(os.path.join(jdir, ARENA_ID), token)
+                        replace_durably(OS_FS, os.path.join(jdir, ARENA_ID),
+                                        f"{token}\n".encode())
             except OSError as exc:
                 raise ConfigError(f"cannot map host arena {arena_path}: {exc.strerror or exc}"
                                   ) from None

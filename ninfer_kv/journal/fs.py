@@ -97,6 +97,20 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def replace_durably(fs: FileSystem, path: str, data: bytes) -> None:
+    """Make ``path`` hold ``data`` atomically and durably: written to ``<path>.tmp``, fsynced
+    (its descriptor closed on every path), renamed over ``path``, the directory fsynced."""
+    tmp = path + ".tmp"
+    f = fs.create(tmp)
+    try:
+        f.write(data)
+        f.fsync()
+    finally:
+        f.close()
+    fs.rename(tmp, path)
+    fs.fsync_dir(os.path.dirname(path))
+
+
 class OsFS:
     """The real thing: plain POSIX calls, one ``write`` per record."""
 

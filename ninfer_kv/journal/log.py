@@ -33,7 +33,7 @@ from ninfer_kv.journal.format import (
     segment_name,
     snapshot_name,
 )
-from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile
+from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, replace_durably
 from ninfer_kv.journal.recovery import (
     ScanResult,
     apply_repairs,
@@ -133,10 +133,7 @@ class Journal:
                             self.last_seq + 1, self.last_crc)
         final = os.path.join(self.directory, segment_name(self._seg_no))
         try:
-            tmp = final + ".tmp"
-            _write_durably(self.fs, tmp, hdr.pack())
-            self.fs.rename(tmp, final)
-            self.fs.fsync_dir(self.directory)
+            replace_durably(self.fs, final, hdr.pack())
             self._file = self.fs.open_append(final)
         except OSError as exc:
             self._fail(f"creating segment {self._seg_no}: {exc}")
@@ -240,12 +237,9 @@ class Journal:
         (``restore.snapshot_segment``)."""
         self.sync()
         path = os.path.join(self.directory, snapshot_name(self.last_seq))
-        tmp = path + ".tmp"
         try:
-            _write_durably(self.fs, tmp, pack_snapshot(self.codec.schema[0], self.last_seq,
-                                                       self.last_crc, payload))
-            self.fs.rename(tmp, path)
-            self.fs.fsync_dir(self.directory)
+            replace_durably(self.fs, path, pack_snapshot(self.codec.schema[0], self.last_seq,
+                                                         self.last_crc, payload))
         except OSError as exc:
             self._fail(f"writing snapshot at seq {self.last_seq}: {exc}")
         snaps = list_snapshots(self.directory, self.fs)
@@ -291,12 +285,3 @@ class Journal:
             self.fs.fsync_dir(self.directory)
         return removed
 
-
-def _write_durably(fs: FileSystem, path: str, data: bytes) -> None:
-    """Create ``path`` holding ``data``, fsynced; its descriptor is closed on every path."""
-    f = fs.create(path)
-    try:
-        f.write(data)
-        f.fsync()
-    finally:
-        f.close()

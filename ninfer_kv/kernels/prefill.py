@@ -153,7 +153,6 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               "32/64/128/256 (each lane's D/32 elements in one scale group)")
     check_view(view, "paged_prefill_varlen")
     check_read_domain(view, rows, per_query, "paged_prefill_varlen")  # every query's reads
-    check_read_domain(view, table_rows, ctx, "paged_prefill_varlen")  # the rows' own contexts
     starts = torch.cumsum(n, 0) - n
     ng = heads_per_block(hq // h_kv)
     tile = tile_queries(ng) if cuda_path else TILE
