@@ -9,7 +9,8 @@ The order is the rule (issue: "a refused open has already truncated the arena"):
    snapshot whose state breaks §14 is skipped like a damaged one, and the recovered state
    must pass the full §14 check too;
 4. the recovered pool set, model geometry, host capacity and host persistence are compared
-   with the configuration — a mismatch raises ``ConfigError`` with every file as it was;
+   with the configuration, and the host arena's identity token with the journal's
+   (``_check_arena``) — a mismatch raises ``ConfigError`` with every file as it was;
 5. device planes, block tables and an in-memory host arena are allocated (an allocation
    failure is a ``ConfigError``, still before any file changed);
 6. only now: the journal's torn tail is cut and a new segment started, the host arena file
@@ -64,23 +65,39 @@ def _token(path: str) -> str | None:
         os.close(fd)
 
 
-def _check_arena(state: StoreState, arena_path: str, jdir: str) -> str | None:
-    """The arena file is the one this journal's host replicas were published in (an identity
-    token beside each: ``<jdir>/ARENA`` and ``<arena>.id``), or — for a journal older than
-    the tokens — at least exists when the journal holds published replicas. Otherwise
-    ``ConfigError``, before anything is written: a reopen with another ``persist_dir`` (a
-    typo, a relative path) would find every replica's CRC wrong and release the checkpoints
-    for good. Returns the journal's token (None: not written yet)."""
-    mine, theirs = _token(os.path.join(jdir, ARENA_ID)), _token(arena_path + ".id")
+def _check_arena(state: StoreState, arena_path: str, jdir: str | None) -> str | None:
+    """The arena file may be opened by this store: an identity token beside each side
+    (``<jdir>/ARENA`` and ``<arena>.id``) says which journal's host replicas it holds.
+    ``ConfigError``, before anything is written, when
+
+    - the arena carries another journal's token (or this store has no journal): opening it
+      would resize it and write over that journal's durable checkpoints (a new or mistyped
+      ``journal_dir`` on an existing ``persist_dir``);
+    - this journal holds published host replicas and the arena is missing or is not the one
+      they were published in (a mistyped ``persist_dir``): every replica's CRC would fail and
+      the checkpoints would be released for good.
+
+    An arena without a token is adopted when nothing is lost by it: this journal holds no
+    published replica (a crash between the two token writes of a first open), or — a
+    journal older than the tokens — holds them and has no token either. Returns the
+    journal's token (None: a new one is made)."""
+    mine = _token(os.path.join(jdir, ARENA_ID)) if jdir is not None else None
+    theirs = _token(arena_path + ".id")
     exists = os.path.lexists(arena_path)
     held = state.host is not None and bool(state.host.live)
-    if mine is not None and (not exists or theirs != mine):
+    if theirs is not None and theirs != mine:
+        raise ConfigError(f"host arena {arena_path} belongs to another journal (its token "
+                          f"{theirs!r}; journal {jdir} has {mine!r}): a wrong journal_dir or "
+                          "persist_dir? Opening it would overwrite that journal's durable "
+                          "checkpoints")
+    if held and mine is not None and (theirs is None or not exists):
+        why = "missing" if not exists else f"its token None != {mine!r}"
         raise ConfigError(f"host arena {arena_path} is not the one journal {jdir} published "
-                          f"its host replicas in ({'missing' if not exists else 'its token'} "
-                          f"{theirs!r} != {mine!r}): a wrong persist_dir? If that arena is lost "
-                          f"for good, remove {os.path.join(jdir, ARENA_ID)} and create an empty "
-                          f"{arena_path}: the reopen then drops the checkpoints it held")
-    if mine is None and held and not exists:
+                          f"its host replicas in ({why}): a wrong persist_dir? If that arena "
+                          f"is lost for good, remove {os.path.join(jdir or '', ARENA_ID)} and "
+                          f"{arena_path}.id and create an empty {arena_path}: the reopen then "
+                          "drops the checkpoints it held")
+    if held and not exists:
         raise ConfigError(f"host arena {arena_path} is missing, and journal {jdir} holds "
                           "published host replicas in it: a wrong persist_dir? If it is lost "
                           "for good, create it empty: the reopen then drops those checkpoints")
@@ -168,11 +185,9 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
                                      f"the recovered state breaks §14: {'; '.join(broken[:3])}")
-        token = None
         if state.configured:                                   # 4. validate against it
             _check_matches(state, config, plan, specs, arena_path, jdir)
-            if arena_path is not None and jdir is not None and state.host_persistent == 1:
-                token = _check_arena(state, arena_path, jdir)
+        token = _check_arena(state, arena_path, jdir) if arena_path is not None else None
         if arena_path is not None and os.path.lexists(arena_path) and (
                 os.path.islink(arena_path) or not os.path.isfile(arena_path)):
             raise ConfigError(f"host arena {arena_path} is not a regular file")
@@ -188,17 +203,15 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res)
             opened.append(journal)
         if arena_path is not None:
-            try:
+            try:  # the journal's token first: a crash before the arena's leaves an arena
+                # without one, which the next open adopts (``_check_arena``)
+                if jdir is not None and token is None:
+                    token = secrets.token_hex(16)
+                    replace_durably(OS_FS, os.path.join(jdir, ARENA_ID), f"{token}\n".encode())
                 arena = HostArenaBuffer(config.host_bytes, arena_path)
                 fsync_dir(os.path.dirname(arena_path))
-                if jdir is not None:  # the arena's token first: a crash between the two
-                    theirs = _token(arena_path + ".id")  # leaves a journal without one,
-                    token = token or theirs or secrets.token_hex(16)  # which adopts it
-                    if theirs != token:
-                        replace_durably(OS_FS, arena_path + ".id", f"{token}\n".encode())
-                    if _token(os.path.join(jdir, ARENA_ID)) != token:
-                        replace_durably(OS_FS, os.path.join(jdir, ARENA_ID),
-                                        f"{token}\n".encode())
+                if token is not None and _token(arena_path + ".id") != token:
+                    replace_durably(OS_FS, arena_path + ".id", f"{token}\n".encode())
             except OSError as exc:
                 raise ConfigError(f"cannot map host arena {arena_path}: {exc.strerror or exc}"
                                   ) from None

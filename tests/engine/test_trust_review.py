@@ -112,14 +112,15 @@ def test_a_journal_is_reopened_only_with_the_arena_it_published_in(tmp_path: Pat
                                       journal_dir=str(tmp_path / "bj")))
     other.close()  # "b" holds another store's arena, of the same size
     before = {p: tree(tmp_path / p) for p in ("a", "j")}
-    for wrong in ("new", "b"):
-        with pytest.raises(ConfigError, match="is not the one journal"):
+    for wrong, why in (("new", "is not the one journal"), ("b", "belongs to another journal")):
+        with pytest.raises(ConfigError, match=why):
             KVStore.open(cfg(wrong))
     assert {p: tree(tmp_path / p) for p in ("a", "j")} == before
     s = KVStore.open(cfg("a"))
     assert s.recovery.kept == [ck]
     s.close()
-    (tmp_path / "j" / "ARENA").unlink()  # a journal from before the tokens: the arena must exist
+    for token in (tmp_path / "j" / "ARENA", tmp_path / "a" / "host_arena.bin.id"):
+        token.unlink()  # a journal and arena from before the tokens: the arena must exist
     (tmp_path / "a" / "host_arena.bin").rename(tmp_path / "a.bin")
     with pytest.raises(ConfigError, match="is missing"):
         KVStore.open(cfg("a"))
@@ -130,10 +131,59 @@ def test_a_journal_is_reopened_only_with_the_arena_it_published_in(tmp_path: Pat
     assert (tmp_path / "j" / "ARENA").read_text() == \
         (tmp_path / "a" / "host_arena.bin.id").read_text()
     # the way out the refusal names, when the arena is lost for good: the checkpoints go
+    (tmp_path / "a" / "host_arena.bin").unlink()
+    with pytest.raises(ConfigError, match="is not the one journal") as refused:
+        KVStore.open(cfg("a"))
+    assert "host_arena.bin.id" in str(refused.value)
     (tmp_path / "j" / "ARENA").unlink()
+    (tmp_path / "a" / "host_arena.bin.id").unlink()
     (tmp_path / "a" / "host_arena.bin").write_bytes(b"")
     s = KVStore.open(cfg("a"))
     assert s.recovery.kept == [] and ck in s.recovery.dropped
+    s.close()
+
+
+def test_a_new_journal_never_takes_over_another_journals_arena(tmp_path: Path) -> None:
+    """Review finding: a new (or mistyped) journal_dir on an existing persist_dir adopted the
+    arena's token, resized the arena and wrote its replicas over the first journal's durable
+    checkpoints, which its next open released for good. A store without a journal may not
+    open a journal's arena either; a refusal leaves every file as it was."""
+    def cfg(journal: str | None, host_bytes: int = 8 << 20) -> StoreConfig:
+        return small_config(None, pages=80, host_bytes=host_bytes,
+                            persist_dir=str(tmp_path / "p"),
+                            journal_dir=None if journal is None else str(tmp_path / journal))
+
+    s = KVStore.open(cfg("j1"))
+    ck = checkpoint_at(s, 100)
+    s.offload(ck, drop_device=True)
+    step(s)
+    s.close()
+    before = tree(tmp_path)
+    for journal, host_bytes in (("j2", 4 << 20), ("j2", 8 << 20), (None, 8 << 20)):
+        with pytest.raises(ConfigError, match="belongs to another journal"):
+            KVStore.open(cfg(journal, host_bytes))  # old code: opened, resized, overwrote
+    assert tree(tmp_path) == before
+    s = KVStore.open(cfg("j1"))
+    assert s.recovery.kept == [ck]
+    s.close()
+
+
+def test_a_crash_between_the_two_token_writes_is_adopted(tmp_path: Path) -> None:
+    """The journal's token is written before the arena's: a first open that died between
+    them left an arena without a token, which the next open takes (nothing was published)."""
+    cfg = small_config(None, pages=80, host_bytes=8 << 20, persist_dir=str(tmp_path / "p"),
+                       journal_dir=str(tmp_path / "j"))
+    KVStore.open(cfg).close()
+    (tmp_path / "p" / "host_arena.bin.id").unlink()
+    s = KVStore.open(cfg)
+    ck = checkpoint_at(s, 100)
+    s.offload(ck, drop_device=True)
+    step(s)
+    s.close()
+    assert (tmp_path / "j" / "ARENA").read_text() == \
+        (tmp_path / "p" / "host_arena.bin.id").read_text()
+    s = KVStore.open(cfg)
+    assert s.recovery.kept == [ck]
     s.close()
 
 
