@@ -21,6 +21,7 @@ from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life import I64, members_of, new_members, unref
+from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
@@ -133,6 +134,13 @@ def _truncate(st: StoreState, e: ev.Truncate) -> None:
     assert len(cut) == end - first, f"Truncate of seq {e.bundle}: a membership of " \
         f"{sp.nmem} pages, short of its committed frontier {sp.committed} (§14)"
     cols = (f - P * np.arange(first, end, dtype=I64)).clip(0)  # columns each page keeps
+    if f % P and f < sp.committed:  # the sequence rewrites the tail page from column f % P:
+        s = int(cut[0])  # its writer, or a page a Move handed over whole (§9.1, §9.4)
+        w = int(pool.pg_writer[s])
+        assert w == e.bundle or (w == NO_PAGE and pool.pg_refs[s] == 1), \
+            f"Truncate of seq {e.bundle} to {f}: page {s} has writer {w} and " \
+            f"{int(pool.pg_refs[s])} references (§9.4)"
+        pool.pg_writer[s] = e.bundle
     lower = pool.pg_committed[cut] > cols
     pool.pg_committed[cut[lower]] = cols[lower]
     pool.pg_epoch[cut[lower]] += 1  # the canonical content of these columns may now change

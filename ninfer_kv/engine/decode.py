@@ -148,9 +148,13 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
         return
     code, j, blk, i, out = rk.commit_round(b, p.bundle_index, p.sp_active, f, p.sp_committed,
                                            p.sp_nmem, p.sp_members, p.pg_writer, p.pg_pins,
-                                           p.pg_protected)
+                                           p.pg_protected, tx.plan.S)
     if code in (rk.UNKNOWN, rk.DUPLICATE):
         refuse_resolve(p, b, code, j)
+    if code == rk.CEILING:
+        raise FrontierError(f"seq {int(b[j])} pool {p.name}: commit frontier {int(f[j])} above "
+                            f"the logical ceiling S={tx.plan.S} (§3.2: page rounding adds no "
+                            "tokens)")
     if code == rk.FRONTIER:
         old, limit = int(p.sp_committed[i]), int(p.sp_nmem[i]) * P
         raise FrontierError(

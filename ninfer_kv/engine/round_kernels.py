@@ -26,6 +26,7 @@ DUPLICATE = 2    # the same sequence twice in one batch
 FRONTIER = 3     # a frontier outside its range
 ENTITLEMENT = 4  # more pages than the entitlement (§8.1)
 WRITE = 5        # §9.4 write permission
+CEILING = 6      # a commit frontier above the logical ceiling S (§3.2)
 
 
 @njit(nogil=True)
@@ -205,15 +206,19 @@ def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarr
 def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
                  frontiers: np.ndarray, sp_committed: np.ndarray, sp_nmem: np.ndarray,
                  sp_members: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
-                 pg_protected: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
-    """``commit_many``'s checks in one call: ``resolve`` then ``check_commit``. Returns
-    (code, j, block, the space index of element ``j``, out): on ``OK``, ``out`` is one int32
-    array holding the sequences then the frontiers — ``CommitFrontiers``' two fields as
-    ``pack`` writes them (one array to box, not two to convert). Reads only."""
+                 pg_protected: np.ndarray, ceiling: int) -> tuple[int, int, int, int, np.ndarray]:
+    """``commit_many``'s checks in one call: ``resolve``, no frontier above ``ceiling`` (the
+    logical ceiling S, §3.2: ``CEILING``), then ``check_commit``. Returns (code, j, block,
+    the space index of element ``j``, out): on ``OK``, ``out`` is one int32 array holding the
+    sequences then the frontiers — ``CommitFrontiers``' two fields as ``pack`` writes them
+    (one array to box, not two to convert). Reads only."""
     none = np.empty(0, np.int32)
     idx, code, j = resolve(bundles, bundle_index, sp_active)
     if code != OK:
         return code, j, -1, -1, none
+    for j in range(bundles.shape[0]):
+        if frontiers[j] > ceiling:
+            return CEILING, j, -1, idx[j], none
     code, j, blk = check_commit(bundles, idx, frontiers, sp_committed, sp_nmem, sp_members,
                                 pg_writer, pg_pins, pg_protected)
     if code != OK:

@@ -10,6 +10,7 @@ from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.decode import why_not_writable, writable
 from ninfer_kv.engine.layout import P, ceil_div
+from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import (
     FrontierError,
@@ -23,6 +24,15 @@ from ninfer_kv.journal.events import pack
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
+
+
+def handed_over(pg: LogicalKVPage, first_column: int) -> bool:
+    """A full page a Move handed over (§9.1: no checkpoint survives it): no writer, yet one
+    reference — the truncating sequence's own —, no pin and no protected column at or
+    above ``first_column``. Nothing can read the columns it rewrites, so Truncate makes the
+    sequence its writer (``apply._truncate``), as the page's first writer was."""
+    return pg.writer == NO_PAGE and pg.refs == 1 and pg.pins == 0 \
+        and pg.protected <= first_column
 
 
 def check_private(p: PoolState, sp: KVAddressSpace, start: int) -> None:
@@ -57,7 +67,8 @@ def truncate(tx: Txn, p: PoolState, sp: KVAddressSpace, frontier: int) -> None:
         raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
                             f"[protected={sp.protected}, committed={sp.committed}]")
     if frontier % P and frontier < sp.committed:
-        if not writable(p.pages[sp.members[frontier // P]], bundle, frontier % P):  # type: ignore[arg-type]
+        pg = p.pages[sp.members[frontier // P]]
+        if not (writable(pg, bundle, frontier % P) or handed_over(pg, frontier % P)):  # type: ignore[arg-type]
             raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
     keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
     check_private(p, sp, keep)

@@ -165,7 +165,7 @@ def test_check_commit_matches_oracle(args):
     bundle_index = np.full(int(bundles.max()) + 2, -1, I64)
     bundle_index[bundles] = idx
     active = np.ones(len(idx), np.bool_)
-    code, j, blk, i, out = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    code, j, blk, i, out = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:], 1 << 40)
     assert (int(code), int(j), int(blk)) == oracle_check_commit(*args)
     assert i == (idx[j] if code != rk.OK else -1)  # the space the refusal names
     if code == rk.OK:  # CommitFrontiers' two fields, as pack writes them
@@ -173,7 +173,7 @@ def test_check_commit_matches_oracle(args):
     else:
         assert len(out) == 0
     active[idx[-1]] = False  # an inactive checkpoint is refused before any frontier rule
-    code, j, _, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:])
+    code, j, _, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:], 1 << 40)
     assert (code, j) == oracle_resolve(bundles.tolist(), bundle_index, active)
 
 
