@@ -70,10 +70,14 @@ def swap_in(store: KVStore, swapped: Swapped) -> int:
     (nothing changed) when the device cannot hold its pages and budget yet. Its pages keep
     their host replicas (a later ``swap_out`` reuses the ones still valid) until
     ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
-    if not isinstance(swapped, Swapped):
+    if not isinstance(swapped, Swapped) or not isinstance(swapped.frontier, dict) \
+            or not swapped.frontier:
         raise InvalidArgument(f"swap_in: {swapped!r} is not the Swapped that swap_out returned")
-    prompt = max(swapped.frontier.values())
-    seq = store.activate_from(swapped.checkpoint, dict(swapped.frontier), prompt,
-                              swapped.budget - prompt, keep_source=False)
+    frontier = {pool: as_int(f"frontier[{pool!r}]", f, lo=0)
+                for pool, f in swapped.frontier.items()}
+    prompt = max(frontier.values())
+    budget = as_int("budget", swapped.budget, lo=prompt)
+    seq = store.activate_from(as_int("checkpoint", swapped.checkpoint), frontier, prompt,
+                              budget - prompt, keep_source=False)
     log.debug("preemption.swap_in", checkpoint=swapped.checkpoint, seq=seq)
     return seq

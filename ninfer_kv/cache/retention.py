@@ -218,14 +218,12 @@ class LruRetention:
         for ck in self.victims():
             if ck == keep:
                 continue
-            pages, dev, host = residency(store, ck)
-            if not host:
-                continue
-            if dev == pages:  # cached on the device: it loses only its host replicas
-                if store.drop_host(ck):
+            pages, dev, _ = residency(store, ck)
+            if dev == pages:  # cached on the device: it loses only its host replicas, valid
+                if store.drop_host(ck):  # or stale (an extent all the same)
                     log.debug("retention.drop_host", checkpoint=ck)
                     return "drop_host"
-                continue      # pinned by a queued copy, or every replica another's too
+                continue      # none, pinned by a queued copy, or every replica another's too
             pools = store.checkpoint_info(ck).pools.values()
             if not any(r.sole_host_pages for r in pools):
                 continue      # its extents are other holders' too: releasing frees nothing

@@ -102,6 +102,7 @@ class StoreCore:
         self._touched: dict[str, dict[int, int]] = {}  # pool -> bundle -> first block to publish
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
+        self._unpin_drops: list[tuple[str, int]] = []  # (pool, slot): drop at the Unpin
         self.arena: HostArenaBuffer | None = None
         self._frozen = False
         self._closed = False
@@ -222,6 +223,7 @@ class StoreCore:
         self._effects.clear()
         self._touched.clear()
         self._transfers.clear()
+        self._unpin_drops.clear()
 
     # --- event plumbing ---------------------------------------------------------------------
     def _emit(self, *events: Any) -> None:
@@ -297,6 +299,9 @@ class StoreCore:
             for (pool, slot), n in sorted(self.state.copy_pins.items()):
                 by_pool.setdefault(pool, []).extend([slot] * n)
             self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
+        if self._unpin_drops:  # device drops a copy pin held back (host._drop_when_published)
+            drops, self._unpin_drops = self._unpin_drops, []
+            self._emit(*host.drops_after_unpin(self, drops))
         if self._touched:
             self._publish_tables()
         durable = False

@@ -133,8 +133,11 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
 
 
 def _drop_when_published(store: Txn, checkpoint: int) -> int:
-    """Schedule the device replicas of ``checkpoint``'s pages whose D2H copy is queued to
-    drop when that copy publishes (by ``can_drop_device`` then). Returns the pages."""
+    """Schedule the device replicas of ``checkpoint``'s pages that a queued copy pins: those
+    whose D2H copy is queued drop when that copy publishes, and every other pinned one (a
+    restore or COW source, e.g. a sequence swapped out again in the interval ``swap_in``
+    restored it) when the boundary unpins it — each by ``can_drop_device`` then. Returns
+    the pages scheduled."""
     members = {pool: set(store.state.pools[pool].spaces[checkpoint].members)
                for pool in store.state.bundles[checkpoint].pools}
     scheduled = 0
@@ -143,7 +146,25 @@ def _drop_when_published(store: Txn, checkpoint: int) -> int:
         if mine:
             tr.drop.update(mine)
             scheduled += len(mine)
+    for pool, slots in _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
+                               and pg.pins > 0 and pg.active_refs == 0):
+        pages = store.state.pools[pool].pages
+        held = [(pool, s) for s in slots if not transfer_queued(store.state, pool, pages[s])]  # type: ignore[arg-type]
+        store._unpin_drops.extend(held)
+        scheduled += len(held)
     return scheduled
+
+
+def drops_after_unpin(store: Txn, drops: list[tuple[str, int]]) -> list[ev.DeviceDrop]:
+    """DeviceDrop events for pages ``_drop_when_published`` scheduled at the boundary's
+    Unpin, by ``can_drop_device`` evaluated now (a page an active fork maps meanwhile, or
+    whose replica went stale, is kept)."""
+    by_pool: dict[str, set[int]] = {}
+    for pool, s in drops:
+        pg = store.state.pools[pool].pages[s]
+        if pg is not None and can_drop_device(pg):
+            by_pool.setdefault(pool, set()).add(s)
+    return [ev.DeviceDrop(pool, pack(sorted(slots))) for pool, slots in by_pool.items()]
 
 
 def drop_device(store: Txn, checkpoint: int) -> int:

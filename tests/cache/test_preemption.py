@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ninfer_kv.cache.preemption import swap_in, swap_out
+from ninfer_kv.cache.preemption import Swapped, swap_in, swap_out
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore
@@ -108,6 +108,14 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
     for bad in ("x", sw.checkpoint, None):  # review finding: AttributeError escaped
         with pytest.raises(InvalidArgument, match="not the Swapped"):
             swap_in(s, bad)  # type: ignore[arg-type]
+    # review finding: TypeError / ValueError escaped a Swapped with the wrong fields
+    for bad_sw in (Swapped(sw.checkpoint, {"main": "600"}, 700, True),
+                   Swapped(sw.checkpoint, {"main": 600}, None, True),  # type: ignore[arg-type]
+                   Swapped(sw.checkpoint, {"main": 600}, 599, True),
+                   Swapped(sw.checkpoint, {}, 700, True),
+                   Swapped(str(sw.checkpoint), {"main": 600}, 700, True)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            swap_in(s, bad_sw)
     assert s.digest() == digest
     with pytest.raises((InactiveSpace, UnknownHandle)):
         swap_out(s, a, 700)                      # no longer active
@@ -161,3 +169,59 @@ def test_a_resumed_sequence_can_free_its_host_extents(tmp_path: Path) -> None:
     step(s)
     assert s.checkpoint_info(ck).pools["main"].host_pages == 5
     s.check_invariants()
+
+
+def test_a_sequence_swapped_out_again_before_the_boundary_frees_its_device_pages(
+        tmp_path: Path) -> None:
+    """Review finding: swap_in restores host-only pages and pins them until the boundary; a
+    swap_out in the same interval found the replicas valid (nothing to copy) and the pages
+    pinned (nothing to drop), so the device pages stayed for good while Swapped.offloaded
+    said True. They now drop when the boundary unpins them, by the same rule."""
+    s = KVStore.open(small_config(tmp_path, pages=8, context=512, host_bytes=8 << 20,
+                                  persist_dir=str(tmp_path / "persist")))
+    sw = swap_out(s, running(s, 300, 100), 400)
+    step(s)
+    again = swap_out(s, swap_in(s, sw), 400)  # resumed and preempted in one step
+    assert again.offloaded
+    step(s)
+    info = s.checkpoint_info(again.checkpoint).pools["main"]
+    assert (info.device_pages, info.host_pages) == (0, 5)  # old code: 5 device pages kept
+    assert s.occupancy()["main"]["available"] == 8
+    s.activate(400, 64)  # the room swap_out promised
+    step(s)
+    s.close()
+    assert replay(str(tmp_path / "journal"), verify_every=1).digest == s.digest()
+
+
+def test_make_host_room_frees_extents_that_stale_replicas_hold(tmp_path: Path) -> None:
+    """Review finding: make_host_room skipped a checkpoint with no *valid* host replica, yet
+    a stale one (its tail rewritten after swap_in) still holds its arena extent, so with the
+    arena full of them it answered "nothing to free" and the offload kept failing."""
+    from ninfer_kv.cache.retention import LruRetention
+    from ninfer_kv.errors import HostArenaError
+
+    s = KVStore.open(small_config(tmp_path, pages=40, host_bytes=1 << 16))  # one page
+    pol = LruRetention()
+    sw = swap_out(s, running(s, 40, 60), 100)
+    step(s)
+    c = swap_in(s, sw)
+    step(s)
+    s.truncate(c, "main", 20)  # the tail's epoch moves on: its host replica is stale
+    write_tokens(s, c, "main", 20, 40)
+    s.commit(c, "main", 40)
+    stale = s.finish(c, retain=True)
+    step(s)
+    pol.retain(stale, (1,))
+    assert s.checkpoint_info(stale).pools["main"].host_pages == 0
+    assert s.state.host.live_bytes == 1 << 16  # the stale replica's extent
+    fresh = s.finish(running(s, 40, 60), retain=True)
+    pol.retain(fresh, (2,))
+    with pytest.raises(HostArenaError):
+        s.offload(fresh)
+    assert pol.make_host_room(s, keep=fresh) == "drop_host"  # old code: None
+    step(s)
+    assert s.offload(fresh) == 1
+    step(s)
+    assert s.checkpoint_info(fresh).pools["main"].host_pages == 1
+    s.check_invariants()
+    s.close()
