@@ -102,7 +102,7 @@ class StoreCore:
         self._touched: dict[str, dict[int, int]] = {}  # pool -> bundle -> first block to publish
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
-        self._unpin_drops: list[tuple[str, int]] = []  # (pool, slot): drop at the Unpin
+        self._unpin_drops: set[tuple[str, int]] = set()  # (pool, slot): drop at the Unpin
         self.arena: HostArenaBuffer | None = None
         self._frozen = False
         self._closed = False
@@ -300,7 +300,7 @@ class StoreCore:
                 by_pool.setdefault(pool, []).extend([slot] * n)
             self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
         if self._unpin_drops:  # device drops a copy pin held back (host._drop_when_published)
-            drops, self._unpin_drops = self._unpin_drops, []
+            drops, self._unpin_drops = self._unpin_drops, set()
             self._emit(*host.drops_after_unpin(self, drops))
         if self._touched:
             self._publish_tables()

@@ -137,7 +137,8 @@ def _drop_when_published(store: Txn, checkpoint: int) -> int:
     whose D2H copy is queued drop when that copy publishes, and every other pinned one (a
     restore or COW source, e.g. a sequence swapped out again in the interval ``swap_in``
     restored it) when the boundary unpins it — each by ``can_drop_device`` then. Returns
-    the pages scheduled."""
+    the pages scheduled behind a D2H copy: the unpin drops are a best effort, never counted
+    as progress (a retention loop that counted them would never reach the boundary)."""
     members = {pool: set(store.state.pools[pool].spaces[checkpoint].members)
                for pool in store.state.bundles[checkpoint].pools}
     scheduled = 0
@@ -149,13 +150,12 @@ def _drop_when_published(store: Txn, checkpoint: int) -> int:
     for pool, slots in _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
                                and pg.pins > 0 and pg.active_refs == 0):
         pages = store.state.pools[pool].pages
-        held = [(pool, s) for s in slots if not transfer_queued(store.state, pool, pages[s])]  # type: ignore[arg-type]
-        store._unpin_drops.extend(held)
-        scheduled += len(held)
+        store._unpin_drops.update((pool, s) for s in slots
+                                  if not transfer_queued(store.state, pool, pages[s]))  # type: ignore[arg-type]
     return scheduled
 
 
-def drops_after_unpin(store: Txn, drops: list[tuple[str, int]]) -> list[ev.DeviceDrop]:
+def drops_after_unpin(store: Txn, drops: set[tuple[str, int]]) -> list[ev.DeviceDrop]:
     """DeviceDrop events for pages ``_drop_when_published`` scheduled at the boundary's
     Unpin, by ``can_drop_device`` evaluated now (a page an active fork maps meanwhile, or
     whose replica went stale, is kept)."""

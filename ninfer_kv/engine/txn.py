@@ -37,7 +37,7 @@ class Txn(Protocol):
     _pending: list[Any]
     _effects: list[Any]        # ev.CopyTail | ev.DeviceRestore, run in emission order
     _transfers: list[Any]      # host.Transfer, run after the table writes
-    _unpin_drops: list[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it
+    _unpin_drops: set[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it
     _touched: dict[str, dict[int, int]]  # pool -> seq -> first block to publish
     _written: dict[tuple[str, int, int], set[int]]  # checked mode: (pool, seq, layer) -> tokens
 
