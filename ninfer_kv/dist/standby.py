@@ -19,6 +19,7 @@ carries the leader's CRCs, which a snapshot would persist; promotion replays its
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, TypeVar
 
@@ -63,6 +64,8 @@ def open_standby(cls: type[S], config: StoreConfig, hello_digest: str) -> S:
             if n != "LOCK":
                 os.remove(os.path.join(jdir, n))
         os.remove(arena)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(arena + ".id")  # its identity token (engine/opening.py) goes with it
         raise PlanMismatch("the leader's state at attach is not a freshly opened store's with "
                            "this config: attach the Leader right after opening a new store, "
                            "with the same host_bytes and a persistent host tier (persist_dir)")

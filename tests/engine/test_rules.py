@@ -316,13 +316,19 @@ def test_write_permission_of_multi_block_commits_trims_and_truncates(tmp_path: P
     s.close()
 
 
-def test_a_moved_full_page_has_no_writer_to_truncate_into(tmp_path: Path) -> None:
+def test_a_moved_full_page_is_its_new_owners_to_truncate_into(tmp_path: Path) -> None:
+    """A Move leaves no checkpoint behind (§9.1): the full pages it hands over are the
+    sequence's alone, so it may rewrite them from a truncated frontier and becomes their
+    writer (tests/engine/test_continuation_review.py: a Fork's shared pages may not)."""
     s = KVStore.open(small_config(tmp_path, pages=64))
     ck = checkpoint_at(s, 128)
     y = s.activate_from(ck, 128, 128, 50, keep_source=False, mode="move")
     step(s)
-    with pytest.raises(WritePermissionError, match="writer=-1"):
-        s.truncate(y, "main", 100)  # full pages a Move hands over stay immutable
+    page = s.page(s.handles(y, "main")[1])
+    assert page.writer == -1  # handed over whole: no writer until it rewrites one
+    s.truncate(y, "main", 100)  # before: WritePermissionError, writer=-1
+    assert page.writer == y
+    step(s)
     s.close()
 
 
