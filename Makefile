@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/ninfer-kv demo --out out/demo
 
+# the suite on JOBS processes (pytest-xdist): CI has two cores; JOBS=0 runs it in one process
+JOBS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check ninfer_kv tests benchmarks examples
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(JOBS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ninfer_kv tests benchmarks examples
