@@ -41,7 +41,7 @@ from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot
 from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import ConfigError, KVStoreError, StoreClosed
+from ninfer_kv.errors import ConfigError, InvalidArgument, KVStoreError, StoreClosed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.format import parse_frame
@@ -170,7 +170,10 @@ class Follower:
         m = None
         try:
             m = decode_message(message)
-            if m.flags & FAILED:
+            if m.salt != self.salt:  # before any flag: another stream's END or FAILED too
+                raise RecordRefused(f"message {m.n}: salt {m.salt:#x} is not this stream's "
+                                    f"{self.salt:#x} (another leader); nothing applied")
+            if m.flags & FAILED and m.n >= self.expect:  # the one before may not have come
                 self.failed = "the leader failed (fail-stop) and stopped streaming"
                 raise ReplicaDiverged(f"follower at seq {self.seq}: {self.failed}")
             if m.n != self.expect:
@@ -252,7 +255,11 @@ class Follower:
         st = self.store.state
         seq, crc = self.seq, self.last_crc
         decoded: list[tuple[int, int, list[Any]]] = []
+        if not isinstance(frames, list | tuple):
+            raise InvalidArgument(f"frames: a list of framed records, not {type(frames).__name__}")
         for i, f in enumerate(frames):
+            if not isinstance(f, bytes | bytearray | memoryview):
+                raise InvalidArgument(f"frame {i}: {type(f).__name__}, not bytes")
             fr = parse_frame(f, 0)
             if isinstance(fr, str) or fr.end != len(f):
                 why = fr if isinstance(fr, str) else f"{len(f) - fr.end} trailing bytes"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from crc32c import crc32c
 
+from ninfer_kv.dist.errors import TransferCorrupt
 from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.store import KVStore
@@ -107,6 +108,11 @@ def gather(store: KVStore, pool: str, pages: list[LogicalKVPage], slot: int,
         if pg.device == NO_PAGE:      # host-only: its packed page from the arena, split
             assert store.arena is not None and pg.host is not None
             packed = store.arena.pages(pg.host[0], 1, pb)[0]
+            got = crc32c(packed.numpy())  # the sender's CRCs are of what it sends: check the
+            if got != pg.host[3]:         # replica against its published one first (§5.3)
+                raise TransferCorrupt(f"export: pool {pool} page {pool}:{pg.slot}: its host "
+                                      f"replica at {pg.host[0]} has CRC-32C {got:#010x}, "
+                                      f"published {pg.host[3]:#010x} (damaged in the arena)")
             off = 0
             for o in out:
                 n = o.shape[1] * o.shape[2]

@@ -4,7 +4,6 @@ protocol, the §5.3 publication order across machines and how a failing side abo
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from typing import Any
 
@@ -22,8 +21,10 @@ from ninfer_kv.dist.transfer import (
     TransferReport,
     _status,
     layout_of,
+    recv_control,
 )
-from ninfer_kv.dist.wire import recv_bytes, wire_device
+from ninfer_kv.dist.wire import wire_device
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import KVStoreError, StoreClosed
@@ -39,6 +40,17 @@ def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
     if (h.get("magic"), h.get("version")) != (MAGIC, VERSION):
         raise TransferRefused(f"header magic/version {h.get('magic')!r}/{h.get('version')} != "
                               f"{MAGIC!r}/{VERSION}")
+    # every field is checked before anything is reserved: none may fail after publication
+    if type(h.get("checkpoint")) is not int or not isinstance(h.get("meta", b""), bytes) \
+            or not isinstance(h.get("reason"), str | None):
+        raise TransferRefused(f"header fields checkpoint={h.get('checkpoint')!r}, "
+                              f"reason={h.get('reason')!r}, meta of type "
+                              f"{type(h.get('meta')).__name__}: an int, a str or nil, bytes")
+    if h.get("meta"):
+        try:
+            msgspec.msgpack.decode(h["meta"])
+        except msgspec.DecodeError as exc:
+            raise TransferRefused(f"header metadata does not decode ({exc})") from None
     mine = layout_of(store)
     differ = [f"{k}: sender {h['layout'].get(k)!r} != receiver {mine[k]!r}" for k in mine
               if h["layout"].get(k) != mine[k]]
@@ -176,20 +188,17 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
             ) -> TransferReport:
     """Receive one checkpoint from rank ``src`` (running ``export``) and publish it in
     ``store`` once every page verified; returns the report with the new checkpoint id."""
-    src = operator.index(src)
+    src = as_int("src", src, lo=0)
     if store.closed:
         raise StoreClosed("import_ refused: the store is closed")
     if store.record_hook is not None:
         raise TransferRefused("import_ refused: this store streams its records to TP followers "
                               "(a Leader), which would get the checkpoint without its bytes")
     try:
-        h = msgspec.msgpack.decode(recv_bytes(src, group))
+        h = recv_control(src, group, "header")
     except RuntimeError as exc:
         raise TransferAborted(f"import from rank {src}: no header ({exc})") from exc
-    except msgspec.DecodeError as exc:
-        raise TransferRefused(f"import from rank {src}: the header does not decode ({exc})"
-                              ) from None
-    if isinstance(h, dict) and h.get("refused"):  # the sender refused before any byte moved
+    if h.get("refused"):  # the sender refused before any byte moved
         raise TransferRefused(f"rank {src} refused the export: {h['refused']}")
     t0 = time.perf_counter()  # from the header's arrival: waiting for a sender is not transfer
     try:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -59,6 +58,7 @@ from ninfer_kv.dist.stream import (
     encode_hello,
     encode_message,
 )
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.core import changes_what_survives
 from ninfer_kv.engine.state import digest, encode_state
@@ -74,7 +74,7 @@ log = structlog.get_logger(__name__)
 def shard_config(config: StoreConfig, tp: int, **overrides: Any) -> StoreConfig:
     """``config`` with ``kv_heads`` (and ``draft_kv_heads``) divided by ``tp`` — the store every
     TP rank opens, leader included. Refuses a head count ``tp`` does not divide."""
-    tp = operator.index(tp)
+    tp = as_int("tp", tp)
     m = config.model
     if tp < 1 or m.kv_heads % tp or (m.draft_layers and m.draft_kv_heads % tp):
         raise ConfigError(f"tp={tp} must be >= 1 and divide kv_heads={m.kv_heads}"
@@ -153,8 +153,8 @@ class Leader:
                 self.store.record_hook = None
                 self._n += 1
                 with contextlib.suppress(Exception):
-                    self._send(encode_message(Message(MSG_MAGIC, VERSION, self._n, FAILED, b"",
-                                                      "", [])))
+                    self._send(encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
+                                                      FAILED, b"", "", [])))
                 log.error("replica.leader_stopped", reason=why)
                 raise StreamBroken(f"leader stopped streaming at message {n}: {why}; its "
                                    "durable records may be missing on that standby")
@@ -169,8 +169,8 @@ class Leader:
             self.store.record_hook = None
             self._n += 1
             with contextlib.suppress(Exception):
-                self._send(encode_message(Message(MSG_MAGIC, VERSION, self._n, FAILED, b"",
-                                                  "", [])))
+                self._send(encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
+                                                  FAILED, b"", "", [])))
             log.error("replica.leader_stopped", reason=self.failed)
             raise StreamBroken(f"leader stopped streaming: {self.failed}") from exc
 
@@ -179,6 +179,7 @@ class Leader:
         scheduler's output, opaque here). Returns the bytes sent. Refused while commands are
         queued (their records come at the next boundary)."""
         note = _note(note)
+        flags = as_int("flags", flags, lo=0, hi=END | FAILED)  # ACK is the leader's to set
         if self.failed is not None:
             raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
         if self.store._pending and not flags & FAILED:
@@ -189,8 +190,8 @@ class Leader:
         wait = bool(self._acks) and self._durable and not flags & FAILED
         self._durable = False
         self._n += 1
-        msg = encode_message(Message(MSG_MAGIC, VERSION, self._n, flags | (ACK if wait else 0),
-                                     note, dig, frames))
+        msg = encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
+                                     flags | (ACK if wait else 0), note, dig, frames))
         self._transmit(msg)
         self.stats["messages"] += 1
         self.stats["records"] += len(frames)

@@ -1,4 +1,4 @@
-"""The TP record stream's three message kinds, on the wire (version 3).
+"""The TP record stream's three message kinds, on the wire (version 4).
 
 Every message is a msgpack body followed by the CRC-32C of that body (4 bytes, little
 endian). A message that fails its CRC, does not decode, or whose fields have the wrong types
@@ -7,9 +7,12 @@ is refused with ``RecordRefused`` and nothing of it is applied.
 * **Hello** (once, when the leader attaches): a map ``{magic: "NKVH", version, salt, seq,
   chain, plan, state, digest}`` — the stream's salt, the leader's record seq and CRC chain
   value, its capacity plan, its (empty) state encoded as a snapshot, and that state's digest.
-* **Boundary message** (one per leader boundary): an array ``[magic: "NKVB", version, n,
-  flags, note, digest, frames]`` — ``n`` counts the messages of the stream from 1, so a lost,
-  repeated or reordered message is refused even when it carries no record; ``flags`` holds END
+* **Boundary message** (one per leader boundary): an array ``[magic: "NKVB", version, salt,
+  n, flags, note, digest, frames]`` — ``salt`` is the stream's (the hello's), so another
+  leader's message is refused even when it carries no record; ``n`` counts the messages of
+  the stream from 1, so a lost, repeated or reordered message is refused even when it carries
+  no record (a FAILED message may come one number late: the message before it may have
+  reached only some followers); ``flags`` holds END
   (the leader closed the stream), FAILED (the leader stopped, fail-stop) and ACK (a record in
   it changes what a reopen keeps: every standby acknowledges it once it is durable there,
   and the leader's boundary returns only then); ``note`` is the
@@ -21,7 +24,8 @@ is refused with ``RecordRefused`` and nothing of it is applied.
   ``n`` (flagged ACK) is applied and fsynced in the standby's journal (``ok``), or the standby
   stopped and why (``ok`` false; sent at once, read by the leader at its next ACK message).
 
-Version 1 had no ``n`` and no CRC on the hello; version 2 no ACK flag and no Ack.
+Version 1 had no ``n`` and no CRC on the hello; version 2 no ACK flag and no Ack; version 3
+no salt in the boundary message (a record-less message of another leader was applied).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ import msgspec
 from crc32c import crc32c
 
 from ninfer_kv.dist.errors import RecordRefused
+from ninfer_kv.errors import InvalidArgument
 
-HELLO_MAGIC, MSG_MAGIC, ACK_MAGIC, VERSION = "NKVH", "NKVB", "NKVA", 3
+HELLO_MAGIC, MSG_MAGIC, ACK_MAGIC, VERSION = "NKVH", "NKVB", "NKVA", 4
 END, FAILED, ACK = 1, 2, 4
 
 
@@ -51,6 +56,7 @@ class Hello(msgspec.Struct, frozen=True):
 class Message(msgspec.Struct, array_like=True, frozen=True):
     magic: str
     version: int
+    salt: int
     n: int
     flags: int
     note: bytes
@@ -80,6 +86,9 @@ def encode_message(m: Message) -> bytes:
 
 def _open(data: bytes, what: str, magic: str, kind: type[Any]) -> Any:
     """CRC, then every field's type; a refusal names a wrong magic or version first."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{what} must be bytes (as the leader sent it), not "
+                              f"{type(data).__name__}")
     if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
         raise RecordRefused(f"{what} of {len(data)} bytes fails its CRC-32C: damaged in "
                             "transit; nothing applied")

@@ -35,7 +35,6 @@ CUDA device (the CRC is then computed on a host copy).
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,18 +44,21 @@ import msgspec
 import structlog
 import torch
 import torch.distributed as dist
+from crc32c import crc32c
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferRefused
 from ninfer_kv.dist.packing import crcs, direct, gather, stage
+from ninfer_kv.dist.stream import seal
 from ninfer_kv.dist.wire import recv_bytes, send_bytes, wire_device
 from ninfer_kv.engine import host
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import KVStoreError, StoreClosed
 
 log = structlog.get_logger(__name__)
 
-MAGIC, VERSION = "NKVT", 1
+MAGIC, VERSION = "NKVT", 2  # 1: header and status messages without a CRC
 ABORTED = -1
 """The CRC a sender sends for each page of a chunk it could not produce (it failed mid-transfer)."""
 DEFAULT_CHUNK = 16 << 20
@@ -118,12 +120,35 @@ def _pages_of(store: KVStore, ck: int) -> list[tuple[str, int, list[LogicalKVPag
     return out
 
 
+def send_control(fields: dict[str, Any], peer: int, group: Any) -> None:
+    """A header or status message: msgpack, sealed with its CRC-32C (as the TP stream's
+    messages, dist/stream.py) — a flipped bit in a frontier or the metadata is damage, never
+    a value the receiver publishes (§5.3: verify before publish)."""
+    send_bytes(seal(msgspec.msgpack.encode(fields)), peer, group)
+
+
+def recv_control(peer: int, group: Any, what: str) -> dict[str, Any]:
+    """The next control message from ``peer``: ``TransferCorrupt`` when its CRC fails,
+    ``TransferRefused`` when it is not a msgpack map."""
+    data = recv_bytes(peer, group)
+    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        raise TransferCorrupt(f"the {what} from rank {peer} ({len(data)} bytes) fails its "
+                              "CRC-32C: damaged in transit")
+    try:
+        out = msgspec.msgpack.decode(data[:-4])
+    except msgspec.DecodeError as exc:
+        raise TransferRefused(f"the {what} from rank {peer} does not decode ({exc})") from None
+    if not isinstance(out, dict):
+        raise TransferRefused(f"the {what} from rank {peer} is a {type(out).__name__}, not a map")
+    return out
+
+
 def _status(peer: int, group: Any, **fields: Any) -> None:
-    send_bytes(msgspec.msgpack.encode(fields), peer, group)
+    send_control(fields, peer, group)
 
 
 def _recv_status(peer: int, group: Any, what: str) -> dict[str, Any]:
-    s = msgspec.msgpack.decode(recv_bytes(peer, group))
+    s = recv_control(peer, group, f"answer to the {what}")
     if not s.get("ok"):
         kind = {"corrupt": TransferCorrupt, "aborted": TransferAborted}.get(
             s.get("kind", ""), TransferRefused)
@@ -143,8 +168,8 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
            ) -> TransferReport:
     """Send inactive ``checkpoint`` to rank ``dst`` (which runs ``import_``); returns once the
     receiver published it. The sending store is only read."""
-    ck, dst = operator.index(checkpoint), operator.index(dst)
-    chunk_bytes = operator.index(chunk_bytes)
+    ck, dst = as_int("checkpoint", checkpoint), as_int("dst", dst, lo=0)
+    chunk_bytes = as_int("chunk_bytes", chunk_bytes, lo=1)
     if store.closed:
         raise StoreClosed("export refused: the store is closed")
     t0 = time.perf_counter()
@@ -152,8 +177,8 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
         pools = _pages_of(store, ck)
     except TransferRefused as exc:  # tell the receiver, which is waiting for a header
         with contextlib.suppress(RuntimeError):
-            send_bytes(msgspec.msgpack.encode({"magic": MAGIC, "version": VERSION,
-                                               "refused": str(exc)}), dst, group)
+            send_control({"magic": MAGIC, "version": VERSION, "refused": str(exc)}, dst,
+                         group)
         raise
     b = store.state.bundles[ck]
     pbs = {s.name: s.page_bytes for s in store.state.pool_specs}
@@ -162,7 +187,7 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
               "reason": b.finish_reason, "meta": bytes(b.meta),
               "pools": [[n, f, len(pages), pbs[n], per[n]] for n, f, pages in pools]}
     try:
-        send_bytes(msgspec.msgpack.encode(header), dst, group)
+        send_control(header, dst, group)
         _recv_status(dst, group, "header")
         dev = wire_device(group)
         chunks = moved = 0

@@ -7,7 +7,6 @@ the tensor calls of ``transfer.py`` and ``receive.py`` directly.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ninfer_kv.dist.errors import DistError
+from ninfer_kv.engine.args import as_int
 
 MAX_MESSAGE = 1 << 31
 """A length prefix above this is refused as damage (a record is at most 256 MiB)."""
@@ -28,7 +28,7 @@ def wire_device(group: Any = None) -> torch.device:
 
 
 def send_bytes(data: bytes | bytearray | memoryview, dst: int, group: Any = None) -> None:
-    dst = operator.index(dst)
+    dst = as_int("dst", dst, lo=0)
     n = len(data)
     if n > MAX_MESSAGE:  # refused before a byte moves: the receiver would refuse the length
         raise DistError(f"a message of {n} bytes to rank {dst} exceeds {MAX_MESSAGE}")
@@ -40,7 +40,7 @@ def send_bytes(data: bytes | bytearray | memoryview, dst: int, group: Any = None
 
 
 def recv_bytes(src: int, group: Any = None) -> bytes:
-    src = operator.index(src)
+    src = as_int("src", src, lo=0)
     dev = wire_device(group)
     n = torch.zeros(1, dtype=torch.int64, device=dev)
     dist.recv(n, src, group=group)
@@ -57,7 +57,7 @@ def recv_bytes(src: int, group: Any = None) -> bytes:
 
 def sender(peers: Sequence[int], group: Any = None) -> Callable[[bytes], None]:
     """A ``send(message)`` that delivers to every rank of ``peers``, in order."""
-    ranks = [operator.index(p) for p in peers]
+    ranks = [as_int("peer", p, lo=0) for p in peers]
 
     def send(message: bytes) -> None:
         for r in ranks:
@@ -66,5 +66,5 @@ def sender(peers: Sequence[int], group: Any = None) -> Callable[[bytes], None]:
 
 
 def receiver(src: int, group: Any = None) -> Callable[[], bytes]:
-    src = operator.index(src)
+    src = as_int("src", src, lo=0)
     return lambda: recv_bytes(src, group)

@@ -82,11 +82,88 @@ def test_a_receiver_without_planes_refuses_the_header() -> None:
 
     sender, receiver = open_(True), open_(False)
     pb = sender.plan.layout.pools[next(iter(sender.plan.layout.pools))].page_bytes
-    header = {"magic": MAGIC, "version": VERSION, "layout": layout_of(sender),
-              "pools": [["main", 128, 2, pb, 1]]}
+    header = {"magic": MAGIC, "version": VERSION, "checkpoint": 1, "layout": layout_of(sender),
+              "reason": None, "meta": b"", "pools": [["main", 128, 2, pb, 1]]}
     assert _check_header(sender, header)              # the same header passes with planes
     with pytest.raises(TransferRefused, match="pool main has no planes"):
         _check_header(receiver, header)
     assert in_place_views(receiver, "main", [0, 1], torch.device("cpu")) is None
     sender.close()
     receiver.close()
+
+
+def test_every_header_field_is_checked_before_anything_is_reserved() -> None:
+    """Review finding: checkpoint, meta and reason were read only at publication: a header
+    without ``checkpoint`` raised KeyError after the checkpoint was published, bad metadata
+    a DecodeError after every byte moved."""
+    import msgspec
+
+    from ninfer_kv.dist.errors import TransferRefused
+    from ninfer_kv.dist.receive import _check_header
+    from ninfer_kv.dist.transfer import MAGIC, VERSION, layout_of
+
+    store = KVStore.open(StoreConfig(model=ModelGeometry(layers=2, kv_heads=2, head_dim=64),
+                                     serving=ServingConfig(max_context=256, max_concurrency=2),
+                                     kv_tokens=8 * 64))
+    pb = store.plan.layout.pools[next(iter(store.plan.layout.pools))].page_bytes
+    good = {"magic": MAGIC, "version": VERSION, "checkpoint": 3, "layout": layout_of(store),
+            "reason": "stop", "meta": msgspec.msgpack.encode({"seed": 7}),
+            "pools": [["main", 128, 2, pb, 1]]}
+    assert _check_header(store, good)
+    for bad in ({"checkpoint": None}, {"checkpoint": "3"}, {"meta": "text"},
+                {"meta": b"\xc1"}, {"reason": 7}):
+        with pytest.raises(TransferRefused, match="header"):
+            _check_header(store, {**good, **bad})
+    no_id = dict(good)
+    del no_id["checkpoint"]
+    with pytest.raises(TransferRefused, match="checkpoint=None"):
+        _check_header(store, no_id)
+    store.close()
+
+
+def test_header_and_status_messages_are_sealed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: only the page bytes had a CRC; a flipped bit in the header's frontier
+    or metadata was published as the checkpoint's. Control messages are sealed now."""
+    import msgspec
+
+    from ninfer_kv.dist import transfer
+    from ninfer_kv.dist.errors import TransferCorrupt, TransferRefused
+    from ninfer_kv.dist.stream import seal
+
+    header = {"magic": transfer.MAGIC, "pools": [["main", 150, 3, 4096, 1]]}
+    sealed = seal(msgspec.msgpack.encode(header))
+    inbox: list[bytes] = []
+    monkeypatch.setattr(transfer, "recv_bytes", lambda peer, group: inbox.pop(0))
+    monkeypatch.setattr(transfer, "send_bytes", lambda data, peer, group: inbox.append(data))
+    transfer.send_control(header, 1, None)
+    assert inbox == [sealed] and transfer.recv_control(0, None, "header") == header
+    at = sealed.index(msgspec.msgpack.encode(150))  # the frontier's byte
+    for damaged in (sealed[:at] + bytes([sealed[at] ^ 0x10]) + sealed[at + 1:],
+                    msgspec.msgpack.encode(header), b"\x01"):
+        inbox.append(damaged)
+        with pytest.raises(TransferCorrupt, match="fails its CRC-32C"):
+            transfer.recv_control(0, None, "header")
+    inbox.append(seal(msgspec.msgpack.encode([1, 2])))
+    with pytest.raises(TransferRefused, match="not a map"):
+        transfer.recv_control(0, None, "header")
+
+
+def test_a_host_replica_is_checked_against_its_crc_before_it_is_sent(tmp_path) -> None:  # noqa: ANN001
+    """Review finding: a host-only page was sent with a CRC of whatever the arena held, so a
+    rotted replica reached the receiver as valid under a fresh CRC."""
+    from ninfer_kv.dist.errors import TransferCorrupt
+    from tests.engine.conftest import small_config
+    from tests.engine.test_continuation import checkpoint_at, step
+
+    s = KVStore.open(small_config(tmp_path, pages=40, host_bytes=8 << 20))
+    ck = checkpoint_at(s, 100)
+    s.offload(ck, drop_device=True)
+    step(s)
+    pages = [s.state.pools["main"].pages[x] for x in s.space(ck, "main").members]
+    assert all(pg.device < 0 and pg.host is not None for pg in pages)
+    assert len(gather(s, "main", pages, 0, CPU)) > 0  # intact: packed and sent
+    pb = next(sp.page_bytes for sp in s.state.pool_specs if sp.name == "main")
+    s.arena.pages(pages[1].host[0], 1, pb)[0][5] ^= 0xFF  # one byte rots in the arena
+    with pytest.raises(TransferCorrupt, match="published"):
+        gather(s, "main", pages, 0, CPU)
+    s.close()

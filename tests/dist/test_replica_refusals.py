@@ -188,7 +188,7 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     from msgspec.structs import replace
 
     from ninfer_kv.dist import ReplicaDiverged
-    from ninfer_kv.dist.stream import FAILED, VERSION, decode_hello, encode_hello
+    from ninfer_kv.dist.stream import END, FAILED, VERSION, decode_hello, encode_hello
     from ninfer_kv.errors import ConfigError, StoreClosed
 
     cfg = shard_config(w.config(), 2)
@@ -215,11 +215,24 @@ def test_bad_hellos_and_messages_are_refused(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(RecordRefused, match="message does not decode"):
         follower.accept(framed(b"\xc1"))
     with pytest.raises(RecordRefused, match="message magic/version"):
-        follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, 1, 0, b"", "", []])))
+        follower.accept(framed(msgspec.msgpack.encode(["XXXX", VERSION, hello.salt, 1, 0, b"",
+                                                       "", []])))
     assert follower.store.digest() == before
+    # review finding: another leader's record-less messages were applied (its note handed
+    # to the engine, its END ending this stream) and any FAILED message, whatever its
+    # number, stopped the follower: the salt is checked first, the number before FAILED
+    other = (hello.salt + 1) & 0xFFFFFFFF
+    for flags in (0, END, FAILED):
+        with pytest.raises(RecordRefused, match="another leader"):
+            follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, other, 1, flags,
+                                                           b"B's schedule", "", []])))
+    with pytest.raises(RecordRefused, match="out of order"):
+        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, hello.salt, 0,
+                                                       FAILED, b"", "", []])))
+    assert follower.store.digest() == before and follower.failed is None
     with pytest.raises(ReplicaDiverged, match=r"follower at seq \d+: the leader failed"):
-        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, 1, FAILED, b"", "",
-                                                       []])))
+        follower.accept(framed(msgspec.msgpack.encode([MSG_MAGIC, VERSION, hello.salt, 2,
+                                                       FAILED, b"", "", []])))  # one late
     follower.close()
     with pytest.raises(StoreClosed, match="closed"):
         follower.store.activate(10, 1)
@@ -285,3 +298,28 @@ def test_export_waits_for_queued_copies_and_a_leader_store_imports_nothing() -> 
     with pytest.raises(TransferRefused, match="streams its records"):
         import_(leader_store, 0)
     leader_store.close()
+
+
+def test_bad_arguments_to_the_dist_api_are_typed() -> None:
+    """Review finding: operator.index and unchecked bytes let TypeError escape; every entry
+    point now refuses with InvalidArgument before anything moves, the follower unchanged."""
+    from ninfer_kv.dist import export, import_
+    from ninfer_kv.errors import InvalidArgument
+
+    cfg = shard_config(w.config(), 2)
+    store = KVStore.open(cfg)
+    sent: list[bytes] = []
+    leader = Leader(store, sent.append)
+    follower = Follower.from_hello(cfg, sent.pop(0))
+    cases = [lambda: shard_config(w.config(), 2.0), lambda: shard_config(w.config(), None),
+             lambda: Follower.from_hello(cfg, "text"), lambda: follower.accept(None),
+             lambda: follower.apply_records([None]), lambda: follower.apply_records(None),
+             lambda: export(store, "1", 1), lambda: export(store, 1, 1.0),
+             lambda: export(store, 1, 1, chunk_bytes=None), lambda: import_(store, "0"),
+             lambda: leader.flush(flags="x"), lambda: leader.flush(flags=4)]
+    for case in cases:
+        with pytest.raises(InvalidArgument):
+            case()
+    assert follower.failed is None and follower.expect == 1
+    assert follower.store.digest() == store.digest()
+    store.close()

@@ -219,12 +219,13 @@ def test_a_closed_follower_applies_nothing(pair) -> None:  # noqa: ANN001
     assert follower.store.digest() == before
 
 
-BAD_MESSAGES: dict[str, Callable[[bytes], list[object]]] = {
-    "flags": lambda f: [MSG_MAGIC, VERSION, 2, "x", b"", "", [f]],
-    "frames": lambda f: [MSG_MAGIC, VERSION, 2, 0, b"", "", 7],
-    "a frame": lambda f: [MSG_MAGIC, VERSION, 2, 0, b"", "", [7]],
-    "note": lambda f: [MSG_MAGIC, VERSION, 2, 0, "text", "", [f]],
-    "short": lambda f: [MSG_MAGIC, VERSION, 2],
+BAD_MESSAGES: dict[str, Callable[[bytes, int], list[object]]] = {
+    "flags": lambda f, salt: [MSG_MAGIC, VERSION, salt, 2, "x", b"", "", [f]],
+    "frames": lambda f, salt: [MSG_MAGIC, VERSION, salt, 2, 0, b"", "", 7],
+    "a frame": lambda f, salt: [MSG_MAGIC, VERSION, salt, 2, 0, b"", "", [7]],
+    "note": lambda f, salt: [MSG_MAGIC, VERSION, salt, 2, 0, "text", "", [f]],
+    "salt": lambda f, salt: [MSG_MAGIC, VERSION, "x", 2, 0, b"", "", [f]],
+    "short": lambda f, salt: [MSG_MAGIC, VERSION, salt, 2],
 }
 
 
@@ -237,7 +238,7 @@ def test_malformed_message_fields_are_refused(pair, name: str) -> None:  # noqa:
     before = follower.store.digest()
     (frame,) = frames_of(sent[1])
     with pytest.raises(RecordRefused, match="malformed field"):
-        follower.accept(seal(msgspec.msgpack.encode(BAD_MESSAGES[name](frame))))
+        follower.accept(seal(msgspec.msgpack.encode(BAD_MESSAGES[name](frame, follower.salt))))
     assert follower.store.digest() == before
     follower.accept(sent[1])
 

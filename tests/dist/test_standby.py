@@ -307,7 +307,6 @@ def test_a_standby_whose_journal_failed_is_still_promoted(tmp_path: Path, monkey
                                                           ) -> None:
     """Review repro: after its fsync failed, the first promote() raised StoreFailed from
     close() (which re-synced the failed journal) and only a second call reopened."""
-    from ninfer_kv.errors import JournalFailed
 
     store, leader, standby, link = pair(tmp_path)
     retain_one(store, leader)         # queued: the next boundary is durable
