@@ -224,6 +224,8 @@ class KVStore(StoreCore):
         (default: its committed frontier; a dict gives each pool its own, e.g. a DFlash draft
         pool lagging the main one) — n>1 sampling, beam search. Whole pages are shared, the
         partial tail is COW-copied from the owner's page at the next boundary (§9.2-9.3).
+        The shared whole pages stay immutable for the owner's life, as after ``share_prefix``:
+        it may not truncate below the fork's last whole page even once every sharer is gone.
         Returns the new sequence's id."""
         self._usable("fork_live")
         return continuation.fork_live(self, bundle, frontier, max_output_tokens)
