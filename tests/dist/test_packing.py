@@ -118,6 +118,16 @@ def test_every_header_field_is_checked_before_anything_is_reserved() -> None:
     del no_id["checkpoint"]
     with pytest.raises(TransferRefused, match="checkpoint=None"):
         _check_header(store, no_id)
+    # the geometry rules (two-rank tests reach them too; these run in one process)
+    other = {**good["layout"], "profile": "k8v4"}
+    for bad, why in (({"magic": "XXXX"}, "magic/version"), ({"version": VERSION + 1}, "magic"),
+                     ({"layout": other}, "page layout differs"),
+                     ({"pools": [["mtp", 128, 2, pb, 1]]}, "receiver pools"),
+                     ({"pools": [["main", 128, 2, pb, 0]]}, "chunks of 0 pages"),
+                     ({"pools": [["main", 128, 2, pb + 1, 1]]}, "page bytes not"),
+                     ({"pools": [["main", 128, 3, pb, 1]]}, "3 pages for frontier 128")):
+        with pytest.raises(TransferRefused, match=why):
+            _check_header(store, {**good, **bad})
     store.close()
 
 
@@ -145,6 +155,9 @@ def test_header_and_status_messages_are_sealed(monkeypatch: pytest.MonkeyPatch) 
             transfer.recv_control(0, None, "header")
     inbox.append(seal(msgspec.msgpack.encode([1, 2])))
     with pytest.raises(TransferRefused, match="not a map"):
+        transfer.recv_control(0, None, "header")
+    inbox.append(seal(b"\xc1"))  # sealed, yet not msgpack
+    with pytest.raises(TransferRefused, match="does not decode"):
         transfer.recv_control(0, None, "header")
 
 
