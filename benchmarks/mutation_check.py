@@ -126,7 +126,6 @@ TARGETS: tuple[Target, ...] = (
                                         "drop_device", "drop_host", "drops_after_publish",
                                         "drops_after_unpin")),
     Target("engine/decode.py", "filter", ("writable",)),
-    Target("engine/termination.py", "filter", ("handed_over",)),
     # the transfer's refusals that in-process tests reach (the rest need two ranks)
     Target("dist/transfer.py", "raise", ("recv_control",)),
     Target("dist/receive.py", "raise", ("_check_header",)),

@@ -59,9 +59,9 @@ def lookup(p: PoolState, bundle: int, *, active: bool = False) -> KVAddressSpace
 def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
     """§9.4 write permission: ``bundle`` is the page's single writer, no pin holds it (no
     queued copy reads it) and no surviving checkpoint protects a column at or above
-    ``first_column``. Truncate checks it here; commit_many checks the same rule for a whole
-    batch in ``round_kernels.check_commit`` (tests/engine/test_round_kernels.py holds both to
-    one oracle)."""
+    ``first_column``. commit_many checks it for a whole batch in
+    ``round_kernels.check_commit``; this is the oracle tests/engine/test_round_kernels.py
+    holds the kernel to (truncate checks only the pin: termination.truncate says why)."""
     return pg.writer == bundle and pg.pins == 0 and pg.protected <= first_column
 
 

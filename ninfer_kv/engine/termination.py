@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.decode import why_not_writable, writable
+from ninfer_kv.engine.decode import why_not_writable
 from ninfer_kv.engine.layout import P, ceil_div
-from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import (
     FrontierError,
@@ -24,15 +23,6 @@ from ninfer_kv.journal.events import pack
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
-
-
-def handed_over(pg: LogicalKVPage, first_column: int) -> bool:
-    """A full page a Move handed over (§9.1: no checkpoint survives it): no writer, yet one
-    reference — the truncating sequence's own —, no pin and no protected column at or
-    above ``first_column``. Nothing can read the columns it rewrites, so Truncate makes the
-    sequence its writer (``apply._truncate``), as the page's first writer was."""
-    return pg.writer == NO_PAGE and pg.refs == 1 and pg.pins == 0 \
-        and pg.protected <= first_column
 
 
 def check_private(p: PoolState, sp: KVAddressSpace, start: int) -> None:
@@ -67,8 +57,12 @@ def truncate(tx: Txn, p: PoolState, sp: KVAddressSpace, frontier: int) -> None:
         raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
                             f"[protected={sp.protected}, committed={sp.committed}]")
     if frontier % P and frontier < sp.committed:
-        pg = p.pages[sp.members[frontier // P]]
-        if not (writable(pg, bundle, frontier % P) or handed_over(pg, frontier % P)):  # type: ignore[arg-type]
+        # §9.4 on the tail page it rewrites: no pin (a queued D2H or COW copy reads it). No
+        # other holder's coverage needs a check: a page shared with a checkpoint or another
+        # sequence lies below the protected frontier, refused above. So the page is this
+        # sequence's alone — its writer, or one a Move handed over whole with no writer
+        # (§9.1), which Truncate's apply makes its writer (and asserts one reference).
+        if p.pages[sp.members[frontier // P]].pins:  # type: ignore[union-attr]
             raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
     keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
     check_private(p, sp, keep)

@@ -71,3 +71,24 @@ def test_a_commit_never_passes_the_logical_ceiling_s() -> None:
     step(s)
     s.activate_from(ck, S, S, 0)  # its own frontier continues
     step(s)
+
+
+def test_a_pinned_tail_page_is_never_truncated_into(tmp_path: Path) -> None:
+    """The one rule truncate checks on the page it rewrites (§9.4): no pin. A sequence
+    resumed from host-only pages (a Move plus restores) holds them pinned until the boundary
+    has run the restore copies; a truncate into one before then is refused, unchanged."""
+    from ninfer_kv.cache.preemption import swap_in, swap_out
+
+    s = KVStore.open(small_config(tmp_path, pages=40, host_bytes=8 << 20))
+    sw = swap_out(s, running(s, 150, 100), 250)
+    step(s)
+    seq = swap_in(s, sw)  # restores every page: pinned until the boundary ran the copies
+    before = s.digest()
+    with pytest.raises(WritePermissionError, match="pins=1"):
+        s.truncate(seq, "main", 140)  # inside the last page: nothing trimmed, one rewritten
+    assert s.digest() == before
+    step(s)
+    s.truncate(seq, "main", 140)  # the copies ran: the moved page is its own to rewrite
+    s.truncate(seq, "main", 100)
+    assert s.page(s.handles(seq, "main")[1]).writer == seq
+    s.close()

@@ -150,7 +150,7 @@ def oracle_check_commit(bundles, idx, frontiers, committed, nmem, members, write
             first = old - blk * P if blk == old // P else 0
             s = members[i, blk]
             page = SimpleNamespace(writer=writer[s], pins=pins[s], protected=protected[s])
-            if not writable(page, bundles[j], first):  # the rule truncate checks
+            if not writable(page, bundles[j], first):  # §9.4
                 return rk.WRITE, j, blk
     return rk.OK, -1, -1
 
