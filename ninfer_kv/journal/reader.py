@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import msgspec
 
-from ninfer_kv.errors import JournalCorrupt, JournalError
+from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
 from ninfer_kv.journal.fs import OS_FS, FileSystem
 from ninfer_kv.journal.recovery import ScanResult, iter_frames, list_segments, scan
@@ -59,7 +59,11 @@ class JournalReader:
         enc = msgspec.json.Encoder()
         n = 0
         for seq, i, ev in self.events(from_seq):
-            out.write(enc.encode({"seq": seq, "i": i, **to_jsonable(ev)}))
+            try:  # a packed field whose length is no multiple of its dtype (a hand-made record)
+                fields = to_jsonable(ev)
+            except ValueError as exc:
+                raise UnappliableRecord(seq, i, type(ev).__name__, exc) from None
+            out.write(enc.encode({"seq": seq, "i": i, **fields}))
             out.write(b"\n")
             n += 1
         return n

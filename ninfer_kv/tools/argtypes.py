@@ -15,17 +15,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def int_at_least(lo: int) -> Callable[[str], int]:
+def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} must be >= {lo}" + (
+                f" and <= {hi}" if hi is not None else ""))
         return v
 
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = f"integer >= {lo}" if hi is None else f"integer in [{lo}, {hi}]"
     return parse
 
 

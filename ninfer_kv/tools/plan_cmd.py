@@ -22,22 +22,28 @@ from ninfer_kv.engine.capacity import (
 )
 from ninfer_kv.engine.layout import Profile
 from ninfer_kv.errors import ConfigError
+from ninfer_kv.tools.argtypes import int_at_least
 from ninfer_kv.tools.output import emit_json
+
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096  # far above any model: a typo's bound
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
     m, s = DEFAULT_MODEL, DEFAULT_SERVING
-    p.add_argument("--layers", type=int, default=m.layers, help="main full-attention layers")
-    p.add_argument("--kv-heads", type=int, default=m.kv_heads)
-    p.add_argument("--head-dim", type=int, default=m.head_dim)
+    # bounded: the plane inventory is per layer and head (a huge value would never return)
+    p.add_argument("--layers", type=int_at_least(1, MAX_LAYERS), default=m.layers,
+                   help="main full-attention layers")
+    p.add_argument("--kv-heads", type=int_at_least(1, MAX_HEADS), default=m.kv_heads)
+    p.add_argument("--head-dim", type=int_at_least(1, MAX_HEAD_DIM), default=m.head_dim)
     p.add_argument("--profile", default=m.profile.value, choices=[x.value for x in Profile])
     p.add_argument("--backend", default=s.backend.value, choices=[b.value for b in Backend])
-    p.add_argument("--mtp-layers", type=int, default=m.mtp_layers)
+    p.add_argument("--mtp-layers", type=int_at_least(0, MAX_LAYERS), default=m.mtp_layers)
     p.add_argument("--draft-window", type=int, default=s.draft_window)
-    p.add_argument("--draft-layers", type=int, default=m.draft_layers,
+    p.add_argument("--draft-layers", type=int_at_least(0, MAX_LAYERS), default=m.draft_layers,
                    help="draft full-attention layers (0 = DFlash2: no Draft Full pool)")
-    p.add_argument("--draft-kv-heads", type=int, default=m.draft_kv_heads)
-    p.add_argument("--draft-head-dim", type=int, default=m.draft_head_dim)
+    p.add_argument("--draft-kv-heads", type=int_at_least(0, MAX_HEADS), default=m.draft_kv_heads)
+    p.add_argument("--draft-head-dim", type=int_at_least(0, MAX_HEAD_DIM),
+                   default=m.draft_head_dim)
     p.add_argument("--max-context", type=int, default=s.max_context, help="S")
     p.add_argument("--max-concurrency", type=int, default=s.max_concurrency, help="C")
 

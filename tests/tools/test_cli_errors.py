@@ -32,7 +32,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, text in bad.items():
         (d / f"{name}.jsonl").write_text(text)
     (d / "bin.jsonl").write_bytes(b"\xff\xfe\x00\n")
+    from ninfer_kv.journal import events as ev
+    from ninfer_kv.journal.log import Journal, JournalOptions
+
+    odd = Journal.open(str(d / "odd"), ev.CODEC, JournalOptions())  # a CRC-valid record whose
+    odd.append([ev.Pin("main", b"abc")])  # packed int32 field is 3 bytes (a hand-made journal)
+    odd.close()
     return {"j": str(d / "journal"), "file": str(d / "afile"), "empty": str(d / "empty"),
+            "odd": str(d / "odd"),
             "missing": str(d / "nope"), "root": str(d)}
 
 
@@ -58,6 +65,10 @@ CASES = [
     # for a record past the end, an empty table for a sequence with no space
     ["inspect", "{j}", "--at", "999999"], ["replay", "{j}", "--until", "999999"],
     ["inspect", "{j}", "--seq", "999999"], ["inspect", "{j}", "--seq", "1", "--json"],
+    # review findings (evening): a traceback (a Unicode digit, a packed field of 3 bytes) or
+    # a plan that never returned (its plane inventory is per layer)
+    ["inspect", "{j}", "--page", "main:\u00b3"], ["dump", "{odd}"],
+    ["plan", "--layers", "100000000000000000000"], ["plan", "--head-dim", "99999"],
 ]
 
 
