@@ -177,7 +177,7 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
     page = None
     if a.page:
         pool, _, slot = a.page.partition(":")
-        if not (slot.isascii() and slot.isdigit()):  # int() takes "³" for no digit at all
+        if not (slot.isascii() and slot.isdigit()):  # isdigit() alone takes "³", int() not
             raise InvalidArgument(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
         page = (pool, int(slot))
     st, history = state_at(a.dir, a.at, page)
