@@ -76,6 +76,13 @@ def seal(body: bytes) -> bytes:
     return body + crc32c(body).to_bytes(4, "little")
 
 
+def unseal(data: bytes) -> bytes | None:
+    """The body ``seal`` wrapped, or None when the CRC-32C does not match."""
+    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        return None
+    return data[:-4]
+
+
 def encode_hello(h: Hello) -> bytes:
     return seal(msgspec.msgpack.encode(h))
 
@@ -89,16 +96,17 @@ def _open(data: bytes, what: str, magic: str, kind: type[Any]) -> Any:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidArgument(f"{what} must be bytes (as the leader sent it), not "
                               f"{type(data).__name__}")
-    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+    body = unseal(data)
+    if body is None:
         raise RecordRefused(f"{what} of {len(data)} bytes fails its CRC-32C: damaged in "
                             "transit; nothing applied")
     bad = None
     try:
-        out = msgspec.msgpack.decode(data[:-4], type=kind)
+        out = msgspec.msgpack.decode(body, type=kind)
         head: tuple[Any, ...] = (out.magic, out.version)
     except msgspec.ValidationError as exc:
         bad = exc  # a wrong field; or another kind or version, which names it better
-        raw = msgspec.msgpack.decode(data[:-4])
+        raw = msgspec.msgpack.decode(body)
         head = (raw.get("magic"), raw.get("version")) if isinstance(raw, dict) else (
             tuple(raw[:2]) if isinstance(raw, list) and len(raw) >= 2 else (None, None))
     except (msgspec.DecodeError, ValueError, TypeError) as exc:

@@ -48,7 +48,7 @@ from crc32c import crc32c
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferRefused
 from ninfer_kv.dist.packing import crcs, direct, gather, stage
-from ninfer_kv.dist.stream import seal
+from ninfer_kv.dist.stream import seal, unseal
 from ninfer_kv.dist.wire import recv_bytes, send_bytes, wire_device
 from ninfer_kv.engine import host
 from ninfer_kv.engine.args import as_int
@@ -131,11 +131,12 @@ def recv_control(peer: int, group: Any, what: str) -> dict[str, Any]:
     """The next control message from ``peer``: ``TransferCorrupt`` when its CRC fails,
     ``TransferRefused`` when it is not a msgpack map."""
     data = recv_bytes(peer, group)
-    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+    body = unseal(data)
+    if body is None:
         raise TransferCorrupt(f"the {what} from rank {peer} ({len(data)} bytes) fails its "
                               "CRC-32C: damaged in transit")
     try:
-        out = msgspec.msgpack.decode(data[:-4])
+        out = msgspec.msgpack.decode(body)
     except msgspec.DecodeError as exc:
         raise TransferRefused(f"the {what} from rank {peer} does not decode ({exc})") from None
     if not isinstance(out, dict):
