@@ -162,7 +162,7 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",
-           "tests/journal/test_snapshot_scan.py",
+           "tests/journal/test_snapshot_scan.py", "tests/journal/test_live_reader.py",
            "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py"]
@@ -219,7 +219,8 @@ SUITE = ["tests/engine/test_*.py", "tests/journal/test_*.py", "tests/kernels/tes
          "tests/tools/test_*.py",
          # the replication tests that run in this process (a mutant is not in spawned ranks)
          "tests/dist/test_replica_*.py", "tests/dist/test_packing.py"]
-SLOW = {"tests/engine/test_crash_soak.py", "tests/kernels/test_ptx.py",
+SLOW = {"tests/engine/test_crash_soak.py", "tests/journal/test_live_reader_soak.py",
+        "tests/kernels/test_ptx.py",
         "tests/kernels/test_kernels_sim.py"}
 """Never run (minutes each)."""
 HEAD_ONLY = {"tests/journal/test_kill9.py", "tests/tools/test_mutation_harness.py"}

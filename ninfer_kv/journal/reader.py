@@ -1,23 +1,107 @@
 """Read side used by replay and tools: iterate records and events, export NDJSON.
 
 Reading never repairs: a torn tail is skipped in memory, the files are left as they are.
+
+A reader takes no lock, so a live store may be appending, snapshotting and compacting while
+it reads. It therefore reads the directory once, into memory, as one consistent view
+(:func:`capture`), and every later question (the scan, the snapshots replay starts from) is
+answered from those bytes, never from the directory again.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import msgspec
+import structlog
 
 from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
 from ninfer_kv.journal.fs import OS_FS, FileSystem
-from ninfer_kv.journal.recovery import ScanResult, iter_frames, list_segments, scan
+from ninfer_kv.journal.recovery import (
+    ScanResult,
+    iter_frames,
+    list_segments,
+    list_snapshots,
+    scan,
+)
+
+log = structlog.get_logger(__name__)
+
+CAPTURE_ATTEMPTS = 8
+
+
+class FrozenDir:
+    """A read-only :class:`FileSystem` over the bytes of one journal directory's segments and
+    snapshots, read once by :func:`capture`. Every write is refused."""
+
+    def __init__(self, directory: str, files: dict[str, bytes]) -> None:
+        self.directory = directory
+        self.files = files
+
+    def listdir(self, directory: str) -> list[str]:
+        return list(self.files)
+
+    def read(self, path: str, limit: int = -1) -> bytes:
+        try:
+            data = self.files[os.path.basename(path)]
+        except KeyError:
+            raise FileNotFoundError(2, "No such file or directory", path) from None
+        return data if limit < 0 else data[:limit]
+
+    def _read_only(self, *_: object) -> NoReturn:
+        raise JournalError(f"{self.directory}: a reader's view of the journal is read-only")
+
+    create = open_append = rename = remove = truncate = fsync_dir = makedirs = _read_only
+
+
+def capture(directory: str, fs: FileSystem = OS_FS,
+            attempts: int = CAPTURE_ATTEMPTS) -> FrozenDir:
+    """Read the journal's snapshots, then its segments, into memory as one consistent view of
+    a journal a live writer may be changing (the reader holds no lock).
+
+    The order is the one ``recovery.scan`` relies on: snapshots first, so the log read after
+    them holds every record they name. Two things a writer does meanwhile would make the view
+    inconsistent, and both make us read again (up to ``attempts`` times):
+    - a listed file is gone when read (compaction removed a segment, a new snapshot pruned an
+      old one);
+    - none of the snapshots read is still listed once the segments are read: the writer may
+      then have compacted the log past every snapshot we hold. While one of them is still
+      there it bounds every compaction since (compaction keeps what the oldest usable snapshot
+      does not cover), so the segments read are the ones it needs. With no snapshot at either
+      end nothing was compacted.
+    """
+    for attempt in range(attempts):
+        snaps = list_snapshots(directory, fs)
+        files: dict[str, bytes] = {}
+        try:
+            for _, path in snaps:
+                files[os.path.basename(path)] = fs.read(path)
+            for _, path in list_segments(directory, fs):  # listed after the snapshots are read
+                files[os.path.basename(path)] = fs.read(path)
+        except FileNotFoundError as exc:
+            log.debug("journal.reader.retry", attempt=attempt, vanished=exc.filename)
+            continue
+        except OSError as exc:
+            raise JournalError(f"cannot read {exc.filename or directory}: "
+                               f"{exc.strerror or exc} (journal files are never opened "
+                               "through a symlink)") from None
+        now = list_snapshots(directory, fs)
+        if set(now).intersection(snaps) or not (now or snaps):
+            return FrozenDir(directory, files)
+        log.debug("journal.reader.retry", attempt=attempt, snapshots_before=len(snaps),
+                  snapshots_after=len(now))
+    raise JournalError(f"{directory} changed under each of {attempts} reads (a live writer "
+                       "compacting faster than it can be read): read it again, or stop the "
+                       "writer first")
 
 
 class JournalReader:
-    """Read-only: takes no lock, never repairs, never writes. A directory without a single
+    """Read-only: takes no lock, never repairs, never writes. It reads the directory once, as
+    one consistent view (:func:`capture`: safe beside a live writer), into ``self.fs``; the
+    scan and the snapshots replay starts from come from there. A directory without a single
     segment is not a journal (``JournalError``); a record whose payload does not decode is
     ``JournalCorrupt``."""
 
@@ -26,9 +110,10 @@ class JournalReader:
         self.directory = directory
         self.codec = codec
         self.salvage = salvage
-        self.scan: ScanResult = scan(directory, schema_major=codec.schema[0], fs=fs,
+        self.fs: FileSystem = capture(directory, fs)
+        self.scan: ScanResult = scan(directory, schema_major=codec.schema[0], fs=self.fs,
                                      repair=False, salvage=salvage)
-        if not self.scan.segments and not list_segments(directory, fs):
+        if not self.scan.segments and not list_segments(directory, self.fs):
             raise JournalError(f"{directory} holds no journal (no seg-NNNNNNNN.log files)")
 
     @property

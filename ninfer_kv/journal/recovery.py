@@ -37,6 +37,9 @@ class Cut:
     bytes_cut: int
     reason: str
 
+    def __str__(self) -> str:
+        return f"segment {self.segment} @ {self.offset}: {self.bytes_cut} B ({self.reason})"
+
 
 @dataclass(slots=True)
 class SegmentScan:

@@ -87,7 +87,10 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
     if res.first_seq == 1:
         return StoreState(), 1
     why: list[str] = []
-    for cand in reversed(list(usable_snapshots(reader.directory, res, reader.codec.schema[0]))):
+    # from the reader's view (reader.fs), never the directory: a live writer may have pruned
+    # the snapshots the scan's log relies on since
+    for cand in reversed(list(usable_snapshots(reader.directory, res, reader.codec.schema[0],
+                                               reader.fs))):
         if isinstance(cand, str):
             why.append(cand)
             continue
@@ -177,8 +180,7 @@ def replay(directory: str | JournalReader, *, verify_every: int = 0, until_recor
         v = violations(st)
         if v:
             found.append(Violation(st.seq, -1, "end", v))
-    cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
-            for c in reader.scan.cuts]
+    cuts = [str(c) for c in reader.scan.cuts]
     return ReplayResult(st, n_records, n_events, digest(st), time.perf_counter() - t0, found,
                         cuts)
 

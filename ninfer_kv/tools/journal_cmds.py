@@ -114,8 +114,10 @@ def _touches(st: StoreState, e: Any, pool: str, slot: int) -> bool:
     return any(b in p.spaces and slot in p.spaces[b].members for b in bundles)
 
 
-def state_at(directory: str, at: int | None,
-             page: tuple[str, int] | None = None) -> tuple[StoreState, list[dict[str, Any]]]:
+def state_at(directory: str, at: int | None, page: tuple[str, int] | None = None
+             ) -> tuple[StoreState, list[dict[str, Any]], list[str]]:
+    """The state after record ``at`` (the last), the history of ``page`` up to there, and
+    what the read cut from the journal's end (a torn tail, or an append in progress)."""
     reader = JournalReader(directory)
     if at is not None and at > reader.last_seq:
         raise InvalidArgument(f"--at {at}: the journal ends at record {reader.last_seq}")
@@ -130,7 +132,7 @@ def state_at(directory: str, at: int | None,
                     history.append({"record": seq, "event_index": i, **ev.to_jsonable(e)})
                 apply(st, e)
         st.seq = seq
-    return st, history
+    return st, history, [str(c) for c in reader.scan.cuts]
 
 
 def describe(st: StoreState, seq: int | None = None) -> dict[str, Any]:
@@ -180,7 +182,7 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         if not (slot.isascii() and slot.isdigit()):  # isdigit() alone takes "³", int() not
             raise InvalidArgument(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
         page = (pool, int(slot))
-    st, history = state_at(a.dir, a.at, page)
+    st, history, cuts = state_at(a.dir, a.at, page)
     if page is not None and page[0] not in st.pools:
         raise UnknownHandle(f"--page {a.page}: pool {page[0]!r} is not in this journal "
                             f"(pools: {', '.join(st.pools)})")
@@ -188,6 +190,7 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         raise UnknownHandle(f"--seq {a.seq}: no address space after record {st.seq} (never "
                             "made, or finished without retention, or released)")
     out = describe(st, a.seq)
+    out["cuts"] = cuts
     if page is not None:
         out["page"] = page_descriptor(st, *page)
         out["page_history"] = history
@@ -195,6 +198,8 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         emit_json(out)
         return 0
     console.print(f"state after record {out['record']} — digest {out['digest']}")
+    for c in cuts:
+        console.print(f"[yellow]the journal ends early[/yellow]: {c}")
     t = Table(title="pools (page groups)")
     for col in ("pool", "capacity", "allocated", "reserved", "available", "rows_leased",
                 "live_pages"):

@@ -69,8 +69,10 @@ def test_replay_json_says_where_a_torn_journal_ends(run: dict, tmp_path: Path,
     out = cli_json(capsys, "replay", str(torn))
     assert out["records"] == JournalReader(run["journal"]).last_seq - 1
     assert len(out["cuts"]) == 1 and "torn tail" in out["cuts"][0], out["cuts"]
+    assert cli_json(capsys, "inspect", str(torn))["cuts"] == out["cuts"]  # inspect says so too
     assert seg.stat().st_size == size - 5
     assert cli_json(capsys, "replay", run["journal"])["cuts"] == []
+    assert cli_json(capsys, "inspect", run["journal"])["cuts"] == []
 
 
 def test_replay_scans_the_journal_once(run: dict, tmp_path: Path,
