@@ -27,6 +27,7 @@ from ninfer_kv.journal.recovery import (
     list_snapshots,
     scan,
 )
+from ninfer_kv.journal.restore import scan_from_snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -103,18 +104,46 @@ class JournalReader:
     one consistent view (:func:`capture`: safe beside a live writer), into ``self.fs``; the
     scan and the snapshots replay starts from come from there. A directory without a single
     segment is not a journal (``JournalError``); a record whose payload does not decode is
-    ``JournalCorrupt``."""
+    ``JournalCorrupt``.
+
+    By default the whole log is read and checked, from its first segment. ``from_snapshot``:
+    read as the store's recovery does, from the newest snapshot on the log's CRC chain (the
+    segments it covers are not read, so damage there is not seen); without such a snapshot,
+    the whole log."""
 
     def __init__(self, directory: str, codec: EventCodec = CODEC, fs: FileSystem = OS_FS,
-                 salvage: bool = False) -> None:
+                 salvage: bool = False, from_snapshot: bool = False) -> None:
         self.directory = directory
         self.codec = codec
         self.salvage = salvage
         self.fs: FileSystem = capture(directory, fs)
-        self.scan: ScanResult = scan(directory, schema_major=codec.schema[0], fs=self.fs,
-                                     repair=False, salvage=salvage)
+        major = codec.schema[0]
+        partial = scan_from_snapshot(directory, schema_major=major, fs=self.fs,
+                                     salvage=salvage) if from_snapshot else None
+        try:
+            self.scan: ScanResult = partial or scan(directory, schema_major=major, fs=self.fs,
+                                                    repair=False, salvage=salvage)
+        except JournalCorrupt as exc:
+            first = None if from_snapshot else self._recovery_start(exc.segment)
+            if first is None:
+                raise
+            raise JournalCorrupt(exc.segment, exc.offset, f"{exc.reason} (a snapshot covers "
+                                 f"this segment: the store's recovery reads from segment "
+                                 f"{first} on, and so does --from-snapshot)") from None
         if not self.scan.segments and not list_segments(directory, self.fs):
             raise JournalError(f"{directory} holds no journal (no seg-NNNNNNNN.log files)")
+
+    def _recovery_start(self, damaged: int) -> int | None:
+        """The segment recovery starts at when a usable snapshot covers segment ``damaged``
+        (the store reopens this journal without reading it), else None."""
+        try:
+            res = scan_from_snapshot(self.directory, schema_major=self.codec.schema[0],
+                                     fs=self.fs, salvage=self.salvage)
+        except JournalError:  # damage past the snapshot too
+            return None
+        if res is None or not res.segments or res.segments[0].number <= damaged:
+            return None
+        return res.segments[0].number
 
     @property
     def last_seq(self) -> int:

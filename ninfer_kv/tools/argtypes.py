@@ -42,3 +42,7 @@ def fraction(text: str) -> float:
 
 non_negative = int_at_least(0)
 positive = int_at_least(1)
+
+
+FROM_SNAPSHOT_HELP = ("read from the newest usable snapshot, as the store's recovery does "
+                      "(default: check the whole log from its first record)")

@@ -22,7 +22,7 @@ from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay, replay_start
 from ninfer_kv.replay.core import applying
-from ninfer_kv.tools.argtypes import non_negative, positive
+from ninfer_kv.tools.argtypes import FROM_SNAPSHOT_HELP, non_negative, positive
 from ninfer_kv.tools.output import emit_json
 
 Command = Callable[[argparse.Namespace, Console], int]
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--verify", action="store_true", help="check invariants after every event")
     p.add_argument("--every", type=positive, default=1, help="with --verify: every N events")
     p.add_argument("--until", type=non_negative, default=None, help="stop after this record")
+    p.add_argument("--from-snapshot", action="store_true", help=FROM_SNAPSHOT_HELP)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("inspect", help="occupancy, address spaces, one page and its history")
     p.add_argument("dir")
@@ -41,22 +42,26 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--seq", type=non_negative, default=None,
                    help="only this sequence/checkpoint")
     p.add_argument("--page", default=None, help="POOL:SLOT, e.g. main:12")
+    p.add_argument("--from-snapshot", action="store_true", help=FROM_SNAPSHOT_HELP)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("dump", help="the journal as NDJSON, one event per line (for jq)")
     p.add_argument("dir")
     p.add_argument("--from", dest="from_seq", type=non_negative, default=0)
+    p.add_argument("--from-snapshot", action="store_true", help=FROM_SNAPSHOT_HELP)
     p.add_argument("--json", action="store_true", help="(NDJSON is already JSON)")
     p = sub.add_parser("events", help="KV-event stream: BlockStored / BlockRemoved / "
                                       "AllBlocksCleared (vLLM's shape) + removal reason")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="NDJSON (default: a table)")
+    p.add_argument("--from-snapshot", action="store_true", help=FROM_SNAPSHOT_HELP)
     return {"replay": run_replay, "inspect": run_inspect, "dump": run_dump,
             "events": run_events}
 
 
 # --- replay -------------------------------------------------------------------------------------
 def run_replay(a: argparse.Namespace, console: Console) -> int:
-    reader = JournalReader(a.dir)  # one scan: its length for the bar, its records to replay
+    # one scan: its length for the bar, its records to replay
+    reader = JournalReader(a.dir, from_snapshot=a.from_snapshot)
     last = reader.last_seq
     if a.until is not None and a.until > last:  # the digest printed would be another record's
         raise InvalidArgument(f"--until {a.until}: the journal ends at record {last}")
@@ -114,11 +119,11 @@ def _touches(st: StoreState, e: Any, pool: str, slot: int) -> bool:
     return any(b in p.spaces and slot in p.spaces[b].members for b in bundles)
 
 
-def state_at(directory: str, at: int | None, page: tuple[str, int] | None = None
-             ) -> tuple[StoreState, list[dict[str, Any]], list[str]]:
+def state_at(directory: str, at: int | None, page: tuple[str, int] | None = None,
+             from_snapshot: bool = False) -> tuple[StoreState, list[dict[str, Any]], list[str]]:
     """The state after record ``at`` (the last), the history of ``page`` up to there, and
     what the read cut from the journal's end (a torn tail, or an append in progress)."""
-    reader = JournalReader(directory)
+    reader = JournalReader(directory, from_snapshot=from_snapshot)
     if at is not None and at > reader.last_seq:
         raise InvalidArgument(f"--at {at}: the journal ends at record {reader.last_seq}")
     st, start = replay_start(reader, at)
@@ -182,7 +187,7 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         if not (slot.isascii() and slot.isdigit()):  # isdigit() alone takes "³", int() not
             raise InvalidArgument(f"--page wants POOL:SLOT (e.g. main:12), got {a.page!r}")
         page = (pool, int(slot))
-    st, history, cuts = state_at(a.dir, a.at, page)
+    st, history, cuts = state_at(a.dir, a.at, page, a.from_snapshot)
     if page is not None and page[0] not in st.pools:
         raise UnknownHandle(f"--page {a.page}: pool {page[0]!r} is not in this journal "
                             f"(pools: {', '.join(st.pools)})")
@@ -237,7 +242,8 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
 
 # --- dump ---------------------------------------------------------------------------------------
 def run_dump(a: argparse.Namespace, console: Console) -> int:
-    JournalReader(a.dir).export_ndjson(sys.stdout.buffer, a.from_seq)
+    reader = JournalReader(a.dir, from_snapshot=a.from_snapshot)
+    reader.export_ndjson(sys.stdout.buffer, a.from_seq)
     sys.stdout.flush()
     return 0
 
@@ -247,7 +253,7 @@ def block_hash(pool: str, slot: int, gen: int) -> str:
     return f"{pool}:{slot}@{gen}"
 
 
-def kv_events(directory: str) -> Iterator[dict[str, Any]]:
+def kv_events(directory: str, from_snapshot: bool = False) -> Iterator[dict[str, Any]]:
     """vLLM-shaped KV events derived from the journal. A block (a page, named by pool, slot and
     generation) is *stored* on a medium while an inactive checkpoint holds it there: on the GPU
     with a device replica, on the CPU with a valid host replica (§5.1). Each event's effect on
@@ -255,7 +261,7 @@ def kv_events(directory: str) -> Iterator[dict[str, Any]]:
     reason the journal knows) for what stopped being; AllBlocksCleared(GPU) on a restart. The
     stream is balanced: a block is removed from a medium only after it was stored there, and
     stored again only after it was removed (``told`` is what the router has been told)."""
-    reader = JournalReader(directory)
+    reader = JournalReader(directory, from_snapshot=from_snapshot)
     st, start = replay_start(reader)
     told: dict[str, set[str]] = {"GPU": set(), "CPU": set()}
     for seq, events in reader.records(start):
@@ -356,7 +362,7 @@ def _removal_reason(e: Any) -> str:
 
 
 def run_events(a: argparse.Namespace, console: Console) -> int:
-    stream = kv_events(a.dir)
+    stream = kv_events(a.dir, a.from_snapshot)
     if a.json:
         for item in stream:
             emit_json(item)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ninfer_kv.errors import InvalidArgument
-from ninfer_kv.tools.argtypes import fraction, non_negative, positive
+from ninfer_kv.tools.argtypes import FROM_SNAPSHOT_HELP, fraction, non_negative, positive
 from ninfer_kv.tools.output import emit_json
 from ninfer_kv.tools.simulate import DEFAULT_TRACE, SimOptions, load_trace, simulate
 from ninfer_kv.tools.timeline import plot
@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p = sub.add_parser("plot", help="occupancy and prefix-hit ratio over boundaries (PNG)")
     p.add_argument("dir")
     p.add_argument("-o", "--output", default="timeline.png")
+    p.add_argument("--from-snapshot", action="store_true", help=FROM_SNAPSHOT_HELP)
     p.add_argument("--json", action="store_true", help="print the plotted data as JSON")
     p = sub.add_parser("demo", help="the main job on a small default model (CPU)")
     p.add_argument("--out", default=None, help="output directory (default: a temp dir)")
@@ -109,7 +110,7 @@ def run_simulate(a: argparse.Namespace, console: Console) -> int:
 def run_plot(a: argparse.Namespace, console: Console) -> int:
     if not a.output.lower().endswith(".png") or a.output.lower() == ".png":
         raise InvalidArgument(f"plot: -o {a.output!r} must name a .png file (it writes a PNG)")
-    data = plot(a.dir, a.output)
+    data = plot(a.dir, a.output, a.from_snapshot)
     if a.json:
         emit_json({"output": a.output, **data})
     else:

@@ -11,10 +11,11 @@ from ninfer_kv.replay import replay_start
 from ninfer_kv.replay.core import apply_event
 
 
-def timeline(directory: str, max_points: int = 2000) -> dict[str, Any]:
+def timeline(directory: str, max_points: int = 2000, from_snapshot: bool = False
+             ) -> dict[str, Any]:
     """Per-record series: pool occupancy (allocated, allocated+reserved over capacity), host
     arena use, and the cumulative prefix-hit ratio (Fork/Move frontier over prompt tokens)."""
-    reader = JournalReader(directory)
+    reader = JournalReader(directory, from_snapshot=from_snapshot)
     step = max(1, reader.last_seq // max_points)
     st, start = replay_start(reader)
     data: dict[str, Any] = {"record": [], "pools": {}, "host_used": [], "prefix_hit_ratio": []}
@@ -39,13 +40,13 @@ def timeline(directory: str, max_points: int = 2000) -> dict[str, Any]:
     return data
 
 
-def plot(directory: str, output: str) -> dict[str, Any]:
+def plot(directory: str, output: str, from_snapshot: bool = False) -> dict[str, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = timeline(directory)
+    data = timeline(directory, from_snapshot=from_snapshot)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     x = data["record"]
     for name, d in data["pools"].items():
