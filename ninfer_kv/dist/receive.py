@@ -198,6 +198,11 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         h = recv_control(src, group, "header")
     except RuntimeError as exc:
         raise TransferAborted(f"import from rank {src}: no header ({exc})") from exc
+    except TransferError as exc:  # damaged or not a map: the sender waits for our answer
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, error=str(exc),
+                    kind="corrupt" if isinstance(exc, TransferCorrupt) else "refused")
+        raise
     if h.get("refused"):  # the sender refused before any byte moved
         raise TransferRefused(f"rank {src} refused the export: {h['refused']}")
     t0 = time.perf_counter()  # from the header's arrival: waiting for a sender is not transfer

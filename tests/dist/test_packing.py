@@ -161,6 +161,37 @@ def test_header_and_status_messages_are_sealed(monkeypatch: pytest.MonkeyPatch) 
         transfer.recv_control(0, None, "header")
 
 
+def test_a_damaged_header_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header that fails its CRC or does not decode was refused without an answer, so the
+    sender (waiting in ``_recv_status`` for one) hung until the group's timeout. The receiver
+    answers now, and the sender raises the same kind of error."""
+    import msgspec
+
+    from ninfer_kv.dist import receive, transfer
+    from ninfer_kv.dist.errors import TransferCorrupt, TransferRefused
+    from ninfer_kv.dist.stream import seal
+
+    store = KVStore.open(StoreConfig(model=ModelGeometry(layers=2, kv_heads=2, head_dim=64),
+                                     serving=ServingConfig(max_context=256, max_concurrency=2),
+                                     kv_tokens=8 * 64))
+    inbox: list[bytes] = []
+    outbox: list[bytes] = []
+    monkeypatch.setattr(transfer, "recv_bytes", lambda peer, group: inbox.pop(0))
+    monkeypatch.setattr(transfer, "send_bytes", lambda data, peer, group: outbox.append(data))
+    digest = store.digest()
+    for damaged, kind in ((b"\x01", TransferCorrupt), (seal(msgspec.msgpack.encode([1])),
+                                                        TransferRefused)):
+        inbox.append(damaged)
+        with pytest.raises(kind):
+            receive.import_(store, 0)
+        answer = outbox.pop()
+        inbox.append(answer)  # what the sender reads next
+        with pytest.raises(kind, match="refused the header"):
+            transfer._recv_status(1, None, "header")
+    assert store.digest() == digest and not outbox
+    store.close()
+
+
 def test_a_host_replica_is_checked_against_its_crc_before_it_is_sent(tmp_path) -> None:  # noqa: ANN001
     """Review finding: a host-only page was sent with a CRC of whatever the arena held, so a
     rotted replica reached the receiver as valid under a fresh CRC."""
