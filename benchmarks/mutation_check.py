@@ -165,7 +165,8 @@ JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py
            "tests/journal/test_snapshot_scan.py", "tests/journal/test_live_reader.py",
            "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
-           "tests/tools/test_cli.py"]
+           "tests/tools/test_cli.py", "tests/tools/test_from_snapshot.py",
+           "tests/tools/test_cli_errors.py"]
 KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_prefill_varlen.py",
            "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",

@@ -19,7 +19,7 @@ import structlog
 
 from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
-from ninfer_kv.journal.fs import OS_FS, FileSystem
+from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile
 from ninfer_kv.journal.recovery import (
     ScanResult,
     iter_frames,
@@ -52,10 +52,30 @@ class FrozenDir:
             raise FileNotFoundError(2, "No such file or directory", path) from None
         return data if limit < 0 else data[:limit]
 
-    def _read_only(self, *_: object) -> NoReturn:
-        raise JournalError(f"{self.directory}: a reader's view of the journal is read-only")
+    def refuse(self, what: str) -> NoReturn:
+        raise JournalError(f"{self.directory}: a reader's view of the journal is read-only "
+                           f"({what} refused)")
 
-    create = open_append = rename = remove = truncate = fsync_dir = makedirs = _read_only
+    def create(self, path: str) -> WritableFile:
+        self.refuse("create")
+
+    def open_append(self, path: str) -> WritableFile:
+        self.refuse("open_append")
+
+    def rename(self, src: str, dst: str) -> None:
+        self.refuse("rename")
+
+    def remove(self, path: str) -> None:
+        self.refuse("remove")
+
+    def truncate(self, path: str, size: int) -> None:
+        self.refuse("truncate")
+
+    def fsync_dir(self, directory: str) -> None:
+        self.refuse("fsync_dir")
+
+    def makedirs(self, directory: str) -> None:
+        self.refuse("makedirs")
 
 
 def capture(directory: str, fs: FileSystem = OS_FS,

@@ -156,6 +156,22 @@ def test_gives_up_on_a_directory_that_never_holds_still(live: Live) -> None:
 
 def test_reader_view_is_read_only(live: Live) -> None:
     reader = JournalReader(live.dir)
-    with pytest.raises(JournalError, match="read-only"):
-        reader.fs.remove(os.path.join(live.dir, "seg-00000000.log"))
+    seg = os.path.join(live.dir, sorted(reader.fs.listdir(live.dir))[-1])
+    for call in (lambda fs: fs.remove(seg), lambda fs: fs.create(seg + ".x"),
+                 lambda fs: fs.truncate(seg, 0), lambda fs: fs.rename(seg, seg + ".x"),
+                 lambda fs: fs.open_append(seg), lambda fs: fs.fsync_dir(live.dir),
+                 lambda fs: fs.makedirs(live.dir)):
+        with pytest.raises(JournalError, match="read-only"):
+            call(reader.fs)
+
+
+def test_a_symlinked_segment_is_refused_not_retried(live: Live, tmp_path: Path) -> None:
+    """Journal files are never opened through a symlink (O_NOFOLLOW): that is damage to
+    report at once, not a writer's change to read again."""
+    seg = os.path.join(live.dir, sorted(n for n in os.listdir(live.dir)
+                                        if n.startswith("seg-"))[-1])
+    os.rename(seg, tmp_path / "elsewhere.log")
+    os.symlink(tmp_path / "elsewhere.log", seg)
+    with pytest.raises(JournalError, match="never opened through a symlink"):
+        JournalReader(live.dir)
 
