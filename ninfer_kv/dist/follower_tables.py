@@ -33,10 +33,16 @@ def forget_written(store: KVStore, events: list[Any]) -> None:
 def sync_tables(store: KVStore) -> int:
     """Publish every active row's membership (§7.2, §13): write each row from its first entry
     that differs and unmap what an earlier write mapped after it — the slice the leader wrote
-    for its touched rows, so both tables are equal entry for entry. Returns rows written."""
+    for its touched rows, so both tables are equal entry for entry — and unmap every row no
+    sequence holds (the leader's boundary unmaps the rows a finish left). Returns rows
+    written."""
     written = 0
     for name, pool in store.state.pools.items():
         pd = store.device.pools[name]
+        for r in np.flatnonzero(pd.published).tolist():
+            if r not in pool.row_owner:
+                store.device.write_table(name, r, 0, ())
+                written += 1
         pages = pool.pages
         for sp in pool.spaces.values():
             if not sp.active:

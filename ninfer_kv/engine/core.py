@@ -100,6 +100,7 @@ class StoreCore:
         # reused within one record must be read by an earlier copy before it is overwritten)
         self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
         self._touched: dict[str, dict[int, int]] = {}  # pool -> bundle -> first block to publish
+        self._freed_rows: dict[str, set[int]] = {}  # pool -> rows left by a finish: unmap
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
         self._unpin_drops: set[tuple[str, int]] = set()  # (pool, slot): drop at the Unpin
@@ -222,6 +223,7 @@ class StoreCore:
         self._pending.clear()
         self._effects.clear()
         self._touched.clear()
+        self._freed_rows.clear()
         self._transfers.clear()
         self._unpin_drops.clear()
 
@@ -244,6 +246,17 @@ class StoreCore:
         cur = d.get(bundle)
         if cur is None or block < cur:
             d[bundle] = block
+
+    def _free_row(self, pool: str, row: int) -> None:
+        """Row ``row`` of ``pool`` is left by a sequence leaving execution: the boundary unmaps
+        its published entries (§7.2: an inactive space holds no row; a row nobody holds maps
+        nothing), unless a new sequence leased it first (then it is published whole as its).
+        Without this the row kept naming pages that are freed and reused: a ``table_rows``
+        kept for the finished request read another's KV, or wrote it."""
+        rows = self._freed_rows.get(pool)
+        if rows is None:
+            rows = self._freed_rows[pool] = set()
+        rows.add(row)
 
     def _touch_many(self, pool: str, bundles: list[int], blocks: list[int]) -> None:
         """``_touch`` of each (bundle, block) pair; ``bundles`` are distinct (a batch)."""
@@ -302,6 +315,8 @@ class StoreCore:
         if self._unpin_drops:  # device drops a copy pin held back (host._drop_when_published)
             drops, self._unpin_drops = self._unpin_drops, set()
             self._emit(*host.drops_after_unpin(self, drops))
+        if self._freed_rows:
+            self._unpublish_rows()
         if self._touched:
             self._publish_tables()
         durable = False
@@ -321,6 +336,15 @@ class StoreCore:
             self.journal.write_snapshot(encode_state(self.state))
             self._snapshot_seq = seq
         return seq
+
+    def _unpublish_rows(self) -> None:
+        """Unmap every entry of each row a finish left that no sequence leased since."""
+        freed, self._freed_rows = self._freed_rows, {}
+        for pool, rows in freed.items():
+            owners = self.state.pools[pool].row_owner
+            for r in rows:
+                if r not in owners:
+                    self.device.write_table(pool, r, 0, ())
 
     def _publish_tables(self) -> None:
         """The block-table slices of every touched active space, from its first changed block

@@ -41,7 +41,9 @@ def recover_cleanup(store: Txn) -> None:
     for bid, b in sorted(st.bundles.items()):
         if b.active:
             for pool in b.pools:
+                row = st.pools[pool].spaces[bid].row
                 store._emit(ev.Finish(bid, pool, False, "abort:restart"))
+                store._free_row(pool, row)
             rep.dropped[bid] = "active at crash"
     for bid in sorted(b for b, x in st.bundles.items() if not x.active):
         reason = continuation.unrecoverable_reason(st, bid)

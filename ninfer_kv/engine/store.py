@@ -379,6 +379,10 @@ class KVStore(StoreCore):
                     if got != want:
                         out.append(f"{name}: row {sp.row} of seq {sp.bundle} publishes {got}, "
                                    f"membership maps {want}")
+            for r in pool.free_rows:  # §7.2: a row nobody holds maps nothing
+                if pd.published[r] or bool((tables[r] != UNMAPPED).any()):
+                    out.append(f"{name}: row {r} is leased to no sequence, yet publishes "
+                               f"{tables[r].tolist()} (published to {int(pd.published[r])})")
         return out
 
     def check_invariants(self) -> None:

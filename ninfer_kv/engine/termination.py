@@ -94,8 +94,10 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
     if b is None or not b.active:
         raise InactiveSpace(f"seq {bundle} is not an active sequence")
     events: list[Any] = []
+    rows = []
     for pool in b.pools:
         sp = tx.state.pools[pool].spaces[bundle]
+        rows.append((pool, sp.row))
         keep = ceil_div(sp.committed, P)
         if keep < sp.nmem:
             check_private(tx.state.pools[pool], sp, keep)
@@ -106,6 +108,8 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
         events.append(ev.Finish(bundle, pool, retain, reason))
     pools = b.pools            # a finish that does not retain empties them
     tx._emit(*events)
+    for pool, row in rows:
+        tx._free_row(pool, row)
     for pool in pools:
         checked.forget(tx, pool, bundle)
     return bundle if retain else None

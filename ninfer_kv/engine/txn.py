@@ -39,6 +39,7 @@ class Txn(Protocol):
     _transfers: list[Any]      # host.Transfer, run after the table writes
     _unpin_drops: set[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it
     _touched: dict[str, dict[int, int]]  # pool -> seq -> first block to publish
+    _freed_rows: dict[str, set[int]]     # pool -> rows a finish left: unmapped at the boundary
     _written: dict[tuple[str, int, int], set[int]]  # checked mode: (pool, seq, layer) -> tokens
 
     @property
@@ -51,6 +52,8 @@ class Txn(Protocol):
     def _touch(self, pool: str, bundle: int, block: int) -> None: ...
 
     def _touch_many(self, pool: str, bundles: list[int], blocks: list[int]) -> None: ...
+
+    def _free_row(self, pool: str, row: int) -> None: ...
 
     def _publish_record(self) -> int: ...
 
