@@ -41,7 +41,14 @@ from ninfer_kv.kernels.backend import (
     simulator,
     use_cuda_kernels,
 )
-from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view, int32_or_skip
+from ninfer_kv.kernels.checks import (
+    attention_options,
+    check_index,
+    check_read_domain,
+    check_values,
+    check_view,
+    int32_or_skip,
+)
 
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
@@ -282,6 +289,7 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                  context_lens: torch.Tensor, *, sm_scale: float | None = None,
                  n_split: int | None = None, force_cuda_sim: bool = False) -> torch.Tensor:
     check_values(q, "q", "paged_decode", 3)
+    sm_scale, n_split = attention_options("paged_decode", sm_scale, n_split)
     check_index(table_rows, "table_rows", "paged_decode")
     check_index(context_lens, "context_lens", "paged_decode")
     n_rows, hq, d = q.shape
@@ -298,7 +306,7 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
     vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)
     k_id, v_id = side_codecs(view.storage)
-    scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     cuda_path = use_cuda_kernels(kc, force_sim=force_cuda_sim)
     if cuda_path and not cuda_head_dim_ok(d):
         raise InvalidArgument(f"paged_decode: head_dim={d} on CUDA: need D in 32/64/128/256 "

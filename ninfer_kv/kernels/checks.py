@@ -16,13 +16,19 @@ tensor, what it is and what the rule wants.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P, PlaneOrder, codec_planes
 from ninfer_kv.errors import InvalidArgument
+
+MAX_SPLITS = 1024
+"""The most context splits one decode launch takes (its partial results are [B, Hq, n_split]:
+``choose_splits`` picks at most ceil(max_ctx / 256), 512 at a 128k context)."""
 
 _SAME_BITS = {torch.uint16: (torch.uint16, torch.int16, torch.bfloat16),
               torch.uint8: (torch.uint8,), torch.int8: (torch.int8,)}
@@ -97,6 +103,24 @@ def _host_tables(view: Any, *tensors: torch.Tensor) -> torch.Tensor | None:
 def _refuse_first(bad: torch.Tensor, message: Callable[[int], str]) -> None:
     if bool(bad.any()):
         raise InvalidArgument(message(int(bad.nonzero()[0, 0])))
+
+
+def attention_options(who: str, sm_scale: Any, n_split: Any = None
+                      ) -> tuple[float | None, int | None]:
+    """``sm_scale`` (None: 1/sqrt(D)) as a finite float and ``n_split`` (None: chosen) as an
+    int in [1, MAX_SPLITS], or ``InvalidArgument`` naming the value."""
+    scale = None
+    if sm_scale is not None:
+        try:
+            if isinstance(sm_scale, str | bytes | bool):
+                raise TypeError
+            scale = float(sm_scale)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
+            raise InvalidArgument(f"{who}: sm_scale={sm_scale!r} is not a real number") from None
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"{who}: sm_scale={scale} is not finite")
+    splits = None if n_split is None else as_int(f"{who}: n_split", n_split, lo=1, hi=MAX_SPLITS)
+    return scale, splits
 
 
 def int32_or_skip(t: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,14 @@ from ninfer_kv.kernels.backend import (
     scale_or_dummy,
     use_cuda_kernels,
 )
-from ninfer_kv.kernels.checks import check_index, check_read_domain, check_values, check_view, int32_or_skip
+from ninfer_kv.kernels.checks import (
+    attention_options,
+    check_index,
+    check_read_domain,
+    check_values,
+    check_view,
+    int32_or_skip,
+)
 from ninfer_kv.kernels.prefill_cuda import prefill_kernel, tile_queries
 
 TILE = 16
@@ -128,6 +135,7 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     ``context_lens`` [B]; ``cu_seqlens`` [B + 1] from 0 to total. Returns [total, Hq, D].
     ``tiled=False`` runs the per-query decode path instead."""
     check_values(q, "q", "paged_prefill_varlen", 3)
+    sm_scale, _ = attention_options("paged_prefill_varlen", sm_scale)
     check_index(table_rows, "table_rows", "paged_prefill_varlen")
     check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
     check_index(context_lens, "context_lens", "paged_prefill_varlen")

@@ -153,3 +153,36 @@ def test_an_empty_decode_batch_launches_nothing(bf16, sim: bool, monkeypatch) ->
     out = paged_decode(torch.randn(0, H, D), bf16, torch.zeros(0, dtype=torch.int32),
                        torch.zeros(0, dtype=torch.int64), force_cuda_sim=sim)
     assert out.shape == (0, H, D)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    ({"n_split": 0}, "n_split=0"), ({"n_split": -1}, "n_split=-1"),
+    ({"n_split": 2.5}, "not an integer"), ({"n_split": "4"}, "not an integer"),
+    ({"n_split": 10**12}, "n_split=1000000000000"), ({"n_split": True}, "a bool"),
+    ({"sm_scale": "x"}, "not a real number"), ({"sm_scale": True}, "not a real number"),
+    ({"sm_scale": float("nan")}, "not finite"), ({"sm_scale": float("inf")}, "not finite"),
+    ({"sm_scale": torch.ones(2)}, "not a real number"),
+])
+def test_attention_options_are_checked(bf16, kw: dict, pattern: str) -> None:  # noqa: ANN001
+    """Review finding: n_split and sm_scale went to torch and float() unchecked — a negative
+    split count escaped as RuntimeError, 10**12 tried to allocate, a string as ValueError."""
+    from ninfer_kv.kernels.attention import paged_prefill
+    from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+    q = torch.randn(1, H, D)
+    with pytest.raises(InvalidArgument, match=pattern):
+        paged_decode(q, bf16, ROWS, torch.tensor([5]), **kw)
+    with pytest.raises(InvalidArgument, match=pattern):
+        paged_prefill(q.view(1, 1, H, D), bf16, ROWS, torch.tensor([4]), **kw)
+    if "sm_scale" in kw:
+        with pytest.raises(InvalidArgument, match=pattern):
+            paged_prefill_varlen(q, bf16, ROWS, torch.tensor([0, 1]), torch.tensor([5]), **kw)
+
+
+def test_attention_options_accept_what_they_did(bf16) -> None:  # noqa: ANN001
+    q = torch.randn(1, H, D)
+    want = paged_decode(q, bf16, ROWS, torch.tensor([70]), sm_scale=0.125, n_split=1)
+    for kw in ({"sm_scale": torch.tensor(0.125), "n_split": torch.tensor(2)},
+               {"sm_scale": 0.125, "n_split": 1024}):
+        assert torch.allclose(paged_decode(q, bf16, ROWS, torch.tensor([70]), **kw), want,
+                              atol=1e-5)
