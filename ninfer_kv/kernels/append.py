@@ -89,6 +89,7 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     check_values(v, "v", "append_kv", 3)
     check_index(table_rows, "table_rows", "append_kv")
     check_index(positions, "positions", "append_kv")
+    check_view(view, "append_kv")  # first: what follows reads the view's fields
     if k.shape != v.shape or k.dim() != 3 or k.shape[0] != table_rows.shape[0] or \
             positions.shape != table_rows.shape or table_rows.dim() != 1:
         raise InvalidArgument(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, table_rows "
@@ -97,7 +98,6 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     if k.shape[1] != view.num_kv_heads or k.shape[2] != view.head_dim:
         raise InvalidArgument(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
                               f"({view.num_kv_heads}, {view.head_dim})")
-    check_view(view, "append_kv")
     check_mapped(view, table_rows, positions, "append_kv")
     if getattr(view, "guard", None) is not None:  # checked mode: writer/frontier/ownership
         view.guard(table_rows, positions)

@@ -292,6 +292,7 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     sm_scale, n_split = attention_options("paged_decode", sm_scale, n_split)
     check_index(table_rows, "table_rows", "paged_decode")
     check_index(context_lens, "context_lens", "paged_decode")
+    check_view(view, "paged_decode")  # first: what follows reads the view's fields
     n_rows, hq, d = q.shape
     h_kv = view.num_kv_heads
     if d != view.head_dim or hq % h_kv or d % 32 or d > 32 * MAXE:
@@ -300,7 +301,6 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               "D <= 256)")
     if table_rows.shape != (n_rows,) or context_lens.shape != (n_rows,):
         raise InvalidArgument("paged_decode: table_rows and context_lens must be [B]")
-    check_view(view, "paged_decode")
     check_read_domain(view, table_rows, context_lens, "paged_decode")
     kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)

@@ -139,6 +139,7 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     check_index(table_rows, "table_rows", "paged_prefill_varlen")
     check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
     check_index(context_lens, "context_lens", "paged_prefill_varlen")
+    check_view(view, "paged_prefill_varlen")  # first: what follows reads the view's fields
     n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)
     seq = torch.repeat_interleave(torch.arange(len(n)), n)
     within = torch.arange(q.shape[0]) - (torch.cumsum(n, 0) - n)[seq]
@@ -159,7 +160,6 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     if cuda_path and not cuda_head_dim_ok(d):
         raise InvalidArgument(f"paged_prefill_varlen: head_dim={d} on CUDA: need D in "
                               "32/64/128/256 (each lane's D/32 elements in one scale group)")
-    check_view(view, "paged_prefill_varlen")
     check_read_domain(view, rows, per_query, "paged_prefill_varlen")  # every query's reads
     starts = torch.cumsum(n, 0) - n
     ng = heads_per_block(hq // h_kv)

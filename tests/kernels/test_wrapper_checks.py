@@ -186,3 +186,19 @@ def test_attention_options_accept_what_they_did(bf16) -> None:  # noqa: ANN001
                {"sm_scale": 0.125, "n_split": 1024}):
         assert torch.allclose(paged_decode(q, bf16, ROWS, torch.tensor([70]), **kw), want,
                               atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [None, object(), "view"])
+def test_a_view_that_is_no_view_is_refused(bad) -> None:  # noqa: ANN001
+    """Review finding: paged_decode(q, None, ...) raised AttributeError (the view's heads were
+    read before the view was checked)."""
+    from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+    k, v = kv(1)
+    with pytest.raises(InvalidArgument, match="takes a batch view"):
+        paged_decode(torch.randn(1, H, D), bad, ROWS, torch.tensor([5]))
+    with pytest.raises(InvalidArgument, match="takes a batch view"):
+        append_kv(bad, ROWS, torch.tensor([0]), k, v)
+    with pytest.raises(InvalidArgument, match="takes a batch view"):
+        paged_prefill_varlen(torch.randn(1, H, D), bad, ROWS, torch.tensor([0, 1]),
+                             torch.tensor([5]))
