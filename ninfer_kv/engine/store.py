@@ -367,7 +367,7 @@ class KVStore(StoreCore):
     def violations(self) -> list[str]:
         out = violations(self.state)
         for name, pd in self.device.pools.items():
-            if self._frozen or self._touched:
+            if self._frozen or self._touched or self._freed_rows:  # tables lag until the boundary
                 break
             tables = pd.block_tables.cpu()
             pool = self.state.pools[name]
