@@ -89,8 +89,9 @@ class StoreConfig:
                     path = os.fspath(v)
                 except TypeError:
                     raise ConfigError(f"{name}={v!r} is not a path") from None
-                if not isinstance(path, str) or not path:
-                    raise ConfigError(f"{name}={v!r}: want a non-empty str path")
+                if not isinstance(path, str) or not path or "\0" in path:
+                    raise ConfigError(f"{name}={v!r}: want a non-empty str path without a "
+                                      "NUL byte")
                 put(name, path)
         try:
             dev = torch.device(self.device)

@@ -86,10 +86,12 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def lock_dirs(directories: list[str]) -> list[DirLock]:
-    """Lock each distinct directory (sorted, so two stores never wait on each other)."""
+    """Lock each distinct directory (sorted, so two stores never wait on each other), named
+    by ``realpath``: one directory under two spellings is one lock, and ``link/..`` is the
+    directory the kernel resolves, not the one ``abspath`` reads."""
     held: list[DirLock] = []
     try:
-        for d in sorted({os.path.abspath(x) for x in directories}):
+        for d in sorted({os.path.realpath(x) for x in directories}):
             held.append(DirLock(d))
     except BaseException:
         for lk in held:

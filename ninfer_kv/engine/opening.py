@@ -21,6 +21,7 @@ Any failure releases the locks and closes what was opened.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from collections.abc import Callable
@@ -145,6 +146,18 @@ def _check_dir(name: str, path: str) -> None:
         raise ConfigError(f"{name}={path!r} exists and is not a directory")
 
 
+def _resolved(config: StoreConfig) -> StoreConfig:
+    """``config`` with its directories resolved once, at open, to absolute paths without a
+    symlink or a ``..`` (``realpath``): the lock, the journal and the arena then name one
+    directory however it was spelt and wherever the process later ``chdir``s. Review
+    findings: a relative ``journal_dir`` followed a ``chdir``, so later segments and
+    snapshots went elsewhere and a reopen lost acknowledged records; ``link/..`` was locked
+    lexically (``abspath``) but written physically, so two writers shared one journal."""
+    dirs = {name: os.path.realpath(getattr(config, name))
+            for name in ("journal_dir", "persist_dir") if getattr(config, name) is not None}
+    return dataclasses.replace(config, **dirs) if dirs else config
+
+
 S = TypeVar("S", bound="Txn")
 
 
@@ -159,11 +172,12 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
         raise ConfigError(f"device={config.device!r}: torch sees no CUDA device here")
     specs = [ev.PoolSpec(kind.value, g.capacity, plan.C, plan.L, g.page_bytes)
              for kind, g in plan.layout.pools.items()]
-    jdir = config.journal_path
-    dirs = [d for d in (config.persist_dir, jdir) if d is not None]
-    for name, d in (("persist_dir", config.persist_dir), ("journal_dir", jdir)):
+    for name, d in (("persist_dir", config.persist_dir), ("journal_dir", config.journal_path)):
         if d is not None:
             _check_dir(name, d)
+    config = _resolved(config)
+    jdir = config.journal_path
+    dirs = [d for d in (config.persist_dir, jdir) if d is not None]
     arena_path = (os.path.join(config.persist_dir, ARENA_NAME)
                   if config.persist_dir is not None and config.host_bytes else None)
     try:
