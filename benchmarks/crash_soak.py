@@ -26,7 +26,7 @@ COW — are compiled/loaded for the exact argument types the child uses). Then, 
 at a random moment, reaps it, reopens the store itself to check, snapshots and compacts the
 journal (so reopen cost stays bounded however many kills run), and closes the store before
 the next fork: the store holds an exclusive ``flock`` on its directories for its lifetime
-(engine/lock.py) and a forked child inherits open descriptors, so the parent never forks
+(journal/lock.py) and a forked child inherits open descriptors, so the parent never forks
 with a store open; the lock dies with the killed child.
 
 Forking after a thread pool started is the hazard: numba's default threading layer here is

@@ -107,7 +107,7 @@ KIND_OPS: dict[str, tuple[str, ...]] = {"raise": ("raise",), "check": ("check",)
 RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engine/termination.py",
                  "engine/continuation.py", "engine/host.py", "engine/growth.py",
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
-                 "engine/capacity.py", "engine/lock.py", "journal/log.py", "journal/recovery.py",
+                 "engine/capacity.py", "journal/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/restore.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",

@@ -25,12 +25,12 @@ from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot
-from ninfer_kv.engine.lock import DirLock
 from ninfer_kv.engine.opening import open_store
 from ninfer_kv.engine.state import StoreState, encode_state
 from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
+from ninfer_kv.journal.lock import DirLock
 from ninfer_kv.journal.log import Journal
 
 if TYPE_CHECKING:

@@ -35,12 +35,12 @@ from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot, violations
-from ninfer_kv.engine.lock import lock_dirs
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.fs import OS_FS, fsync_dir, open_private, replace_durably
+from ninfer_kv.journal.lock import lock_dirs
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.restore import recover_state
 
@@ -213,8 +213,9 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             arena = _allocate("the host arena", lambda: HostArenaBuffer(config.host_bytes))
         journal = None                                         # 6. now write
         if jdir is not None:
-            journal = Journal.open(jdir, CODEC, JournalOptions(
-                sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res)
+            journal = Journal.open(jdir, CODEC, JournalOptions(  # the store holds its lock
+                sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res,
+                lock=False)
             opened.append(journal)
         if arena_path is not None:
             try:  # the journal's token first: a crash before the arena's leaves an arena

@@ -34,6 +34,7 @@ from ninfer_kv.journal.format import (
     snapshot_name,
 )
 from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, replace_durably
+from ninfer_kv.journal.lock import DirLock
 from ninfer_kv.journal.recovery import (
     ScanResult,
     apply_repairs,
@@ -90,15 +91,42 @@ class Journal:
         self._seg_records = 0
         self._salt = 0
         self._last_sync = clock()
+        self._lock: DirLock | None = None  # held when open() took it; released by close()
         self._start_segment()
 
     @classmethod
     def open(cls, directory: str, codec: PayloadCodec, options: JournalOptions | None = None,
-             fs: FileSystem = OS_FS, scan_result: ScanResult | None = None) -> Journal:
+             fs: FileSystem = OS_FS, scan_result: ScanResult | None = None,
+             lock: bool | None = None) -> Journal:
         """Recover and open for appending. ``scan_result``: a ``scan(repair=False)`` of this
         directory made by the caller (who validated it before anything was written); its
-        repairs are carried out here. Only this journal's own temp files are removed."""
+        repairs are carried out here. Only this journal's own temp files are removed.
+
+        One writer per directory: on the real file system the directory's ``LOCK`` is taken
+        first (``StoreLocked`` beside a live store) and held until :meth:`close`.
+        ``lock=False``: the caller holds it already (``KVStore.open``); a fake file system
+        (the crash tests') takes none."""
         options = options or JournalOptions()
+        held = None
+        if fs is OS_FS if lock is None else lock:
+            directory = os.path.realpath(directory)  # as KVStore.open resolves it
+            try:
+                held = DirLock(directory)
+            except OSError as exc:
+                raise JournalError(f"cannot create journal directory {directory} or its "
+                                   f"lock: {exc.strerror or exc}") from None
+        try:
+            journal = cls._open(directory, codec, options, fs, scan_result)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        journal._lock = held
+        return journal
+
+    @classmethod
+    def _open(cls, directory: str, codec: PayloadCodec, options: JournalOptions,
+              fs: FileSystem, scan_result: ScanResult | None) -> Journal:
         try:
             fs.makedirs(directory)
         except OSError as exc:
@@ -215,7 +243,8 @@ class Journal:
         return self.durable_seq
 
     def close(self) -> None:
-        """Sync (unless failed) and close; the descriptor is closed either way."""
+        """Sync (unless failed) and close; the descriptor is closed and the lock released
+        either way."""
         f = self._file
         if f is None:
             return
@@ -228,6 +257,10 @@ class Journal:
                 f.close()
             except OSError as exc:
                 self._fail(f"closing segment {self._seg_no}: {exc}")
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     # --- snapshots --------------------------------------------------------------------------
     def write_snapshot(self, payload: bytes) -> str:

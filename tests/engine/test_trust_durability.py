@@ -156,7 +156,7 @@ def test_a_released_lock_never_closes_a_descriptor_twice(tmp_path: Path) -> None
     second close could hit whatever file reused the number."""
     import gc
 
-    from ninfer_kv.engine.lock import DirLock
+    from ninfer_kv.journal.lock import DirLock
 
     lk = DirLock(str(tmp_path))
     lk.release()

@@ -245,7 +245,7 @@ def test_a_released_lock_is_free_while_a_fork_still_shares_its_descriptor(tmp_pa
     moment before still held its copy (its at-fork hook not run yet) the lock stayed and the
     parent's own reopen was refused (20 of 20 runs). A dup stands for the child's copy: the
     release unlocks the description. A copy that is not the owner's never unlocks it."""
-    from ninfer_kv.engine.lock import DirLock, _unlock_and_close
+    from ninfer_kv.journal.lock import DirLock, _unlock_and_close
 
     d = str(tmp_path / "d")
     lk = DirLock(d)

@@ -1,0 +1,51 @@
+"""``Journal.open`` — the salvage tool the README documents — takes the directory's writer
+lock. Review finding (high): it took none, so run beside a live store it started a segment
+in that store's directory, and the store's later acknowledged records made the journal
+refuse to reopen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import JournalCorrupt, StoreLocked
+from ninfer_kv.journal.events import CODEC
+from ninfer_kv.journal.log import Journal, JournalOptions
+from tests.engine.conftest import small_config
+from tests.engine.test_continuation import checkpoint_at
+
+
+def test_journal_open_beside_a_live_store_is_refused(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, pages=80, sync="commit"))
+    jdir = s.config.journal_dir
+    with pytest.raises(StoreLocked):
+        Journal.open(jdir, CODEC, JournalOptions(salvage=True))
+    checkpoint_at(s, 100)
+    last = s.state.seq
+    s.close()
+    j = Journal.open(jdir, CODEC, JournalOptions(salvage=True))  # the store is gone: allowed
+    with pytest.raises(StoreLocked):                              # and it excludes a store
+        KVStore.open(small_config(tmp_path, pages=80))
+    j.close()
+    r = KVStore.open(small_config(tmp_path, pages=80))
+    assert r.recovery.records == last and r.recovery.cuts == []
+    r.close()
+
+
+def test_a_refused_open_releases_the_lock(tmp_path: Path) -> None:
+    s = KVStore.open(small_config(tmp_path, segment_bytes=1024))
+    for _ in range(30):
+        s.finish(s.activate(64, 10))
+        with s.boundary():
+            pass
+    s.close()
+    jdir = Path(s.config.journal_dir)
+    seg = sorted(jdir.glob("seg-*.log"))[0]
+    b = bytearray(seg.read_bytes())
+    b[len(b) // 2] ^= 0xFF                     # mid-log damage: open refuses it
+    seg.write_bytes(b)
+    with pytest.raises(JournalCorrupt):
+        Journal.open(str(jdir), CODEC)
+    Journal.open(str(jdir), CODEC, JournalOptions(salvage=True)).close()  # not locked out
