@@ -208,6 +208,8 @@ class HostArenaBuffer:
             try:
                 if os.fstat(self._fd).st_size != capacity:
                     os.ftruncate(self._fd, capacity)
+                if capacity:  # every block now: a sparse file that the disk cannot fill later
+                    os.posix_fallocate(self._fd, 0, capacity)  # faults (SIGBUS) in a D2H copy
                 self._mmap = mmap.mmap(self._fd, capacity) if capacity else None
             except OSError:
                 os.close(self._fd)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from ninfer_kv.errors import JournalCorrupt, JournalError, JournalFailed
+from ninfer_kv.errors import ConfigError, JournalCorrupt, JournalError, JournalFailed
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
     MAX_PAYLOAD,
@@ -67,6 +67,11 @@ class JournalOptions:
     segment_bytes: int = 64 << 20
     keep_snapshots: int = 2
     salvage: bool = False
+
+    def __post_init__(self) -> None:
+        # 0 kept every snapshot (``snaps[:-0]`` is empty); -1 removed the one just written
+        if type(self.keep_snapshots) is not int or self.keep_snapshots < 1:
+            raise ConfigError(f"keep_snapshots={self.keep_snapshots!r}: want an int >= 1")
 
 
 class Journal:

@@ -71,3 +71,24 @@ def test_one_directory_under_two_spellings_is_locked_once(tmp_path: Path) -> Non
 def test_a_nul_byte_in_a_path_is_a_config_error(tmp_path: Path, name: str) -> None:
     with pytest.raises(ConfigError, match="NUL"):
         small_config(None, **{name: str(tmp_path / "a\0b")})
+
+
+def test_the_arena_file_is_allocated_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """Review finding (medium): the arena was a sparse file, so a full disk surfaced as SIGBUS
+    in a D2H copy into the mapping — the process died, and again after every restart. Its
+    blocks are allocated at open: no full disk later, a ConfigError now."""
+    import errno
+
+    cfg = small_config(None, pages=80, host_bytes=8 << 20, persist_dir=str(tmp_path / "p"))
+    s = KVStore.open(cfg)
+    st = os.stat(s.arena.path)
+    assert st.st_blocks * 512 >= 8 << 20  # every block allocated, not a hole
+    s.close()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match="No space left"):
+        KVStore.open(cfg)

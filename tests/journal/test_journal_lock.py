@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import JournalCorrupt, StoreLocked
+from ninfer_kv.errors import ConfigError, JournalCorrupt, StoreLocked
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.log import Journal, JournalOptions
 from tests.engine.conftest import small_config
@@ -49,3 +49,10 @@ def test_a_refused_open_releases_the_lock(tmp_path: Path) -> None:
     with pytest.raises(JournalCorrupt):
         Journal.open(str(jdir), CODEC)
     Journal.open(str(jdir), CODEC, JournalOptions(salvage=True)).close()  # not locked out
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_keep_snapshots_is_at_least_one(keep: object) -> None:
+    """Review finding (low): 0 kept every snapshot, -1 removed the one just written."""
+    with pytest.raises(ConfigError, match="keep_snapshots"):
+        JournalOptions(keep_snapshots=keep)  # type: ignore[arg-type]
