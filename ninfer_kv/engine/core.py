@@ -81,6 +81,16 @@ def changes_what_survives(events: list[Any], st: StoreState) -> bool:
     return False
 
 
+def loads(payload: bytes) -> bool:
+    """Whether open would use a snapshot payload (``invariants.load_snapshot``: it decodes,
+    and its state passes §14). Compaction and snapshot pruning ask it first."""
+    try:
+        load_snapshot(payload)
+    except Exception:  # noqa: BLE001 - any failure means recovery would skip it
+        return False
+    return True
+
+
 class StoreCore:
     """Lifecycle (open, close, snapshot, compact), fail-stop and the boundary. Not thread-safe
     (one engine loop). ``KVStore`` adds the commands."""
@@ -175,7 +185,7 @@ class StoreCore:
         if self._pending or self._transfers or self._effects:
             self._publish_record()
         try:
-            return self.journal.write_snapshot(encode_state(self.state))
+            return self.journal.write_snapshot(encode_state(self.state), loads)
         except KVStoreError as exc:
             self._fail("snapshot", exc)
             raise StoreFailed(f"snapshot: {self._failed}") from exc
@@ -185,17 +195,8 @@ class StoreCore:
         self._usable("compact")
         if self.journal is None:
             return 0
-        def opens(payload: bytes) -> bool:
-            """Whether open would use it (``invariants.load_snapshot``: it decodes, and its
-            state passes §14): a snapshot open would skip licenses removing nothing."""
-            try:
-                load_snapshot(payload)
-            except Exception:  # noqa: BLE001 - any failure means recovery would skip it
-                return False
-            return True
-
-        try:
-            return self.journal.compact(opens)
+        try:  # a snapshot open would skip licenses removing nothing
+            return self.journal.compact(loads)
         except (OSError, KVStoreError) as exc:
             self._fail("compact", exc)
             raise StoreFailed(f"compact: {self._failed}") from exc
@@ -333,7 +334,7 @@ class StoreCore:
             self.journal.sync()
         every = self.config.snapshot_every
         if every and self.journal is not None and seq - self._snapshot_seq >= every:
-            self.journal.write_snapshot(encode_state(self.state))
+            self.journal.write_snapshot(encode_state(self.state), loads)
             self._snapshot_seq = seq
         return seq
 

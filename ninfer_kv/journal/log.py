@@ -268,11 +268,17 @@ class Journal:
                     self._lock = None
 
     # --- snapshots --------------------------------------------------------------------------
-    def write_snapshot(self, payload: bytes) -> str:
+    def write_snapshot(self, payload: bytes,
+                       accept: Callable[[bytes], bool] | None = None) -> str:
         """Persist an engine state taken after record ``last_seq`` (log synced first), then
         end the segment: the next record starts a new one whose header names the snapshot's
         record CRC, so recovery scans from there and never re-reads what the snapshot covers
-        (``restore.snapshot_segment``)."""
+        (``restore.snapshot_segment``).
+
+        Then all but the newest ``keep_snapshots`` are removed — only if ``accept`` (the
+        engine's check that recovery would load it) takes the new payload: an older snapshot
+        may be the only one covering a compacted log, and a new one recovery would skip must
+        not take its place (as ``compact``: a snapshot recovery skips licenses nothing)."""
         self.sync()
         path = os.path.join(self.directory, snapshot_name(self.last_seq))
         try:
@@ -280,8 +286,12 @@ class Journal:
                                                          self.last_crc, payload))
         except OSError as exc:
             self._fail(f"writing snapshot at seq {self.last_seq}: {exc}")
-        snaps = list_snapshots(self.directory, self.fs)
-        for _, old in snaps[:-self.options.keep_snapshots]:
+        doomed = list_snapshots(self.directory, self.fs)[:-self.options.keep_snapshots]
+        if doomed and accept is not None and not accept(payload):
+            log.warning("journal.snapshot_unusable", seq=self.last_seq,
+                        kept=[os.path.basename(p) for _, p in doomed])
+            doomed = []
+        for _, old in doomed:
             try:  # an old snapshot that stays is harmless: recovery picks the newest usable
                 self.fs.remove(old)
             except OSError as exc:
