@@ -158,7 +158,8 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
           "tests/engine/test_sync_policy.py",
           "tests/engine/test_continuation.py", "tests/engine/test_host_tier.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
-          "tests/engine/test_host_arena.py"]
+          "tests/engine/test_host_arena.py", "tests/engine/test_row_isolation.py",
+          "tests/engine/test_snapshot_pruning.py"]
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",
@@ -166,13 +167,15 @@ JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py
            "tests/journal/test_journal_property.py",
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py", "tests/tools/test_from_snapshot.py",
-           "tests/tools/test_cli_errors.py"]
+           "tests/tools/test_cli_errors.py", "tests/journal/test_journal_lock.py",
+           "tests/engine/test_store_paths.py", "tests/engine/test_snapshot_pruning.py"]
 KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_prefill_varlen.py",
            "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
            "tests/kernels/test_kernels_cpu.py"]
-OPENING = [*ENGINE, "tests/kernels/test_store_kernels.py", "tests/tools/test_cli*.py"]
+OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/kernels/test_store_kernels.py",
+           "tests/tools/test_cli*.py"]
 
 TESTS: list[tuple[str, list[str], list[str]]] = [
     # (module glob, tier 1, tier-2 head); the first matching glob wins
@@ -199,7 +202,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/checked.py", ["tests/engine/test_trust_isolation.py",
                            "tests/kernels/test_store_kernels.py", *ENGINE], MACHINE),
     *((f"engine/{m}", OPENING, MACHINE) for m in ("opening.py", "config.py", "capacity.py",
-                                                   "lock.py", "args.py")),
+                                                   "args.py")),
     ("engine/round_kernels.py", ["tests/engine/test_round_kernels.py", *ENGINE], MACHINE),
     ("engine/invariant_kernels.py", ["tests/engine/test_invariant_kernels.py", *INCREMENTAL,
                                      *ENGINE], MACHINE),
