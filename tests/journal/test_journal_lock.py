@@ -56,3 +56,13 @@ def test_keep_snapshots_is_at_least_one(keep: object) -> None:
     """Review finding (low): 0 kept every snapshot, -1 removed the one just written."""
     with pytest.raises(ConfigError, match="keep_snapshots"):
         JournalOptions(keep_snapshots=keep)  # type: ignore[arg-type]
+
+
+def test_a_lock_that_cannot_be_taken_refuses_the_open(tmp_path: Path) -> None:
+    """The directory is there, its LOCK is not a file: no lock, no writing."""
+    from ninfer_kv.errors import JournalError
+
+    (tmp_path / "LOCK").mkdir()
+    with pytest.raises(JournalError, match="or its lock"):
+        Journal.open(str(tmp_path), CODEC)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]  # nothing written
