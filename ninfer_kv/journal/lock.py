@@ -1,4 +1,5 @@
-"""One writer per directory: an exclusive ``flock`` on ``<dir>/LOCK`` for the store's lifetime.
+"""One writer per directory: an exclusive ``flock`` on ``<dir>/LOCK`` for the writer's lifetime
+(a store's, from ``KVStore.open`` to ``close``; a bare ``Journal.open``'s, to its ``close``).
 
 The lock file holds the holder's pid (for the error message only; the kernel lock is what
 excludes). ``flock`` locks belong to the open file description, so the lock ends when the

@@ -113,7 +113,7 @@ class Journal:
         (the crash tests') takes none."""
         options = options or JournalOptions()
         held = None
-        if fs is OS_FS if lock is None else lock:
+        if (fs is OS_FS) if lock is None else lock:
             directory = os.path.realpath(directory)  # as KVStore.open resolves it
             try:
                 held = DirLock(directory)
