@@ -249,23 +249,24 @@ class Journal:
 
     def close(self) -> None:
         """Sync (unless failed) and close; the descriptor is closed and the lock released
-        either way."""
+        either way (also after a failed rotation left no segment open)."""
         f = self._file
-        if f is None:
-            return
         try:
-            if self._failed is None:
-                self.sync()
-        finally:
-            self._file = None  # closed whatever close(2) says: the number may be reused
+            if f is None:
+                return
             try:
-                f.close()
-            except OSError as exc:
-                self._fail(f"closing segment {self._seg_no}: {exc}")
+                if self._failed is None:
+                    self.sync()
             finally:
-                if self._lock is not None:
-                    self._lock.release()
-                    self._lock = None
+                self._file = None  # closed whatever close(2) says: the number may be reused
+                try:
+                    f.close()
+                except OSError as exc:
+                    self._fail(f"closing segment {self._seg_no}: {exc}")
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     # --- snapshots --------------------------------------------------------------------------
     def write_snapshot(self, payload: bytes,

@@ -66,3 +66,27 @@ def test_a_lock_that_cannot_be_taken_refuses_the_open(tmp_path: Path) -> None:
     with pytest.raises(JournalError, match="or its lock"):
         Journal.open(str(tmp_path), CODEC)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]  # nothing written
+
+
+def test_a_failed_rotation_still_releases_the_lock(tmp_path: Path) -> None:
+    """Review finding: close() returned early when a failed segment rotation had left no
+    segment open, so the lock stayed held and a reopen in this process was StoreLocked."""
+    from ninfer_kv.errors import JournalFailed
+    from ninfer_kv.journal.fs import OsFS
+
+    class NoNewSegment(OsFS):
+        full = False
+
+        def create(self, path: str):  # noqa: ANN201
+            if self.full and Path(path).name.startswith("seg-"):
+                raise OSError(28, "No space left on device")
+            return super().create(path)
+
+    fs = NoNewSegment()
+    j = Journal.open(str(tmp_path), CODEC, fs=fs, lock=True)
+    j.append([])
+    fs.full = True
+    with pytest.raises(JournalFailed, match="segment"):
+        j.write_snapshot(b"state")  # the snapshot ends the segment; the next is not created
+    j.close()
+    Journal.open(str(tmp_path), CODEC).close()
