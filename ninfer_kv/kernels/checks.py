@@ -26,6 +26,7 @@ from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P, PlaneOrder, codec_planes
 from ninfer_kv.errors import InvalidArgument
 
+F32_MAX = 3.4028234663852886e38
 MAX_SPLITS = 1024
 """The most context splits one decode launch takes (its partial results are [B, Hq, n_split]:
 ``choose_splits`` picks at most ceil(max_ctx / 256), 512 at a 128k context)."""
@@ -117,8 +118,8 @@ def attention_options(who: str, sm_scale: Any, n_split: Any = None
             scale = float(sm_scale)
         except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
             raise InvalidArgument(f"{who}: sm_scale={sm_scale!r} is not a real number") from None
-        if not math.isfinite(scale):
-            raise InvalidArgument(f"{who}: sm_scale={scale} is not finite")
+        if not math.isfinite(scale) or abs(scale) > F32_MAX:  # the kernels take a float32
+            raise InvalidArgument(f"{who}: sm_scale={scale} is not a finite float32")
     splits = None if n_split is None else as_int(f"{who}: n_split", n_split, lo=1, hi=MAX_SPLITS)
     return scale, splits
 

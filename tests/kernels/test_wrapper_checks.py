@@ -160,7 +160,8 @@ def test_an_empty_decode_batch_launches_nothing(bf16, sim: bool, monkeypatch) ->
     ({"n_split": 2.5}, "not an integer"), ({"n_split": "4"}, "not an integer"),
     ({"n_split": 10**12}, "n_split=1000000000000"), ({"n_split": True}, "a bool"),
     ({"sm_scale": "x"}, "not a real number"), ({"sm_scale": True}, "not a real number"),
-    ({"sm_scale": float("nan")}, "not finite"), ({"sm_scale": float("inf")}, "not finite"),
+    ({"sm_scale": float("nan")}, "not a finite"), ({"sm_scale": float("inf")}, "not a finite"),
+    ({"sm_scale": 1e39}, "not a finite float32"),
     ({"sm_scale": torch.ones(2)}, "not a real number"),
 ])
 def test_attention_options_are_checked(bf16, kw: dict, pattern: str) -> None:  # noqa: ANN001
