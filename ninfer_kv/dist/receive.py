@@ -12,7 +12,13 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferError, TransferRefused
+from ninfer_kv.dist.errors import (
+    DistError,
+    TransferAborted,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+)
 from ninfer_kv.dist.packing import crcs, in_place_views, scatter, stage, targets
 from ninfer_kv.dist.transfer import (
     MAGIC,
@@ -198,12 +204,14 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         h = recv_control(src, group, "header")
     except RuntimeError as exc:
         raise TransferAborted(f"import from rank {src}: no header ({exc})") from exc
-    except TransferError as exc:  # damaged or not a map: the sender waits for our answer
+    except DistError as exc:  # damaged, not a map, a bad length: answer (every header gets one)
         with contextlib.suppress(RuntimeError):
             _status(src, group, ok=False, error=str(exc),
                     kind="corrupt" if isinstance(exc, TransferCorrupt) else "refused")
         raise
-    if h.get("refused"):  # the sender refused before any byte moved
+    if h.get("refused"):  # the sender refused before any byte moved; it waits for the answer
+        with contextlib.suppress(RuntimeError):
+            _status(src, group, ok=False, kind="refused", error="the export was refused")
         raise TransferRefused(f"rank {src} refused the export: {h['refused']}")
     t0 = time.perf_counter()  # from the header's arrival: waiting for a sender is not transfer
     try:

@@ -58,7 +58,8 @@ from ninfer_kv.errors import KVStoreError, StoreClosed
 
 log = structlog.get_logger(__name__)
 
-MAGIC, VERSION = "NKVT", 2  # 1: header and status messages without a CRC
+MAGIC, VERSION = "NKVT", 3  # 1: header and status messages without a CRC; 2: a refusal
+# and a damaged header went unanswered (now every header gets exactly one answer)
 ABORTED = -1
 """The CRC a sender sends for each page of a chunk it could not produce (it failed mid-transfer)."""
 DEFAULT_CHUNK = 16 << 20
@@ -177,9 +178,12 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
     try:
         pools = _pages_of(store, ck)
     except TransferRefused as exc:  # tell the receiver, which is waiting for a header
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(KVStoreError, RuntimeError):
             send_control({"magic": MAGIC, "version": VERSION, "refused": str(exc)}, dst,
                          group)
+            # every header gets one answer, a refusal too: the receiver cannot tell a damaged
+            # refusal from a damaged header, which the sender of a header waits on
+            _recv_status(dst, group, "refusal")
         raise
     b = store.state.bundles[ck]
     pbs = {s.name: s.page_bytes for s in store.state.pool_specs}

@@ -192,6 +192,37 @@ def test_a_damaged_header_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
     store.close()
 
 
+def test_every_header_gets_one_answer_a_refusal_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding on the fix above: a sender that refused (an unknown checkpoint) sent its
+    refusal and returned, so a damaged refusal — which the receiver cannot tell from a damaged
+    header — was answered into the void: on gloo that send blocked until the group's timeout
+    and broke the next transfer. Now a refusal is answered too, and the refusing sender reads
+    the answer: every header gets exactly one, on both paths."""
+    import msgspec
+
+    from ninfer_kv.dist import receive, transfer
+    from ninfer_kv.dist.errors import TransferRefused
+    from ninfer_kv.dist.stream import seal
+
+    store = KVStore.open(StoreConfig(model=ModelGeometry(layers=2, kv_heads=2, head_dim=64),
+                                     serving=ServingConfig(max_context=256, max_concurrency=2),
+                                     kv_tokens=8 * 64))
+    wire: list[bytes] = []
+    monkeypatch.setattr(transfer, "recv_bytes", lambda peer, group: wire.pop(0))
+    monkeypatch.setattr(transfer, "send_bytes", lambda data, peer, group: wire.append(data))
+    # the receiver answers a readable refusal
+    wire.append(seal(msgspec.msgpack.encode({"magic": transfer.MAGIC,
+                                             "version": transfer.VERSION, "refused": "no"})))
+    with pytest.raises(TransferRefused, match="refused the export"):
+        receive.import_(store, 0)
+    assert len(wire) == 1  # its answer
+    # the refusing sender reads the answer (here the one just sent) and raises its refusal
+    with pytest.raises(TransferRefused, match="999"):
+        transfer.export(store, 999, 1)
+    assert len(wire) == 1 and msgspec.msgpack.decode(transfer.unseal(wire[0]))["refused"]
+    store.close()
+
+
 def test_a_host_replica_is_checked_against_its_crc_before_it_is_sent(tmp_path) -> None:  # noqa: ANN001
     """Review finding: a host-only page was sent with a CRC of whatever the arena held, so a
     rotted replica reached the receiver as valid under a fresh CRC."""
