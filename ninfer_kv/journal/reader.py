@@ -88,9 +88,11 @@ def capture(directory: str, fs: FileSystem = OS_FS,
     inconsistent, and both make us read again (up to ``attempts`` times):
     - a listed file is gone when read (compaction removed a segment, a new snapshot pruned an
       old one);
-    - none of the snapshots read is still listed once the segments are read: the writer may
-      then have compacted the log past every snapshot we hold. While one of them is still
-      there it bounds every compaction since (compaction keeps what the oldest usable snapshot
+    - the newest snapshot listed once the segments are read is not one we read: the writer
+      snapshotted meanwhile, and may have compacted the log past every snapshot we hold (a
+      snapshot we hold that is still listed is not enough: it may be one recovery skips, which
+      pruning keeps and compaction ignores). When no snapshot was written meanwhile, every
+      compaction since used a snapshot we read (compaction keeps what the oldest usable one
       does not cover), so the segments read are the ones it needs. With no snapshot at either
       end nothing was compacted.
     """
@@ -110,7 +112,7 @@ def capture(directory: str, fs: FileSystem = OS_FS,
                                f"{exc.strerror or exc} (journal files are never opened "
                                "through a symlink)") from None
         now = list_snapshots(directory, fs)
-        if set(now).intersection(snaps) or not (now or snaps):
+        if (now[-1] in snaps) if now else not snaps:
             return FrozenDir(directory, files)
         log.debug("journal.reader.retry", attempt=attempt, snapshots_before=len(snaps),
                   snapshots_after=len(now))

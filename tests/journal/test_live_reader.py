@@ -175,3 +175,24 @@ def test_a_symlinked_segment_is_refused_not_retried(live: Live, tmp_path: Path) 
     with pytest.raises(JournalError, match="never opened through a symlink"):
         JournalReader(live.dir)
 
+
+
+def test_a_kept_unusable_snapshot_does_not_anchor_the_view(live: Live,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: the view was accepted while any snapshot read was still listed — but
+    pruning keeps a snapshot recovery would skip, and compaction ignores it. With a good
+    snapshot and a bad one read, the writer snapshotted (pruning the good one) and compacted
+    past both: the view held no snapshot replay could start from."""
+    import ninfer_kv.engine.core as core
+
+    live.work()
+    with monkeypatch.context() as m:
+        m.setattr(core, "encode_state", lambda st: b"\xc1 an engine bug")
+        live.snapshot()                       # kept: a good one is older
+
+    def writer() -> None:
+        live.work()
+        live.snapshot()                       # good: prunes the oldest good one
+        assert live.store.compact()
+
+    live.check(JournalReader(live.dir, fs=RacingFS("listdir", 2, writer)))
