@@ -193,8 +193,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 load_snapshot=load_snapshot, apply_record=_apply_record, repair=False,
                 skipped=report.snapshots_skipped)
             report.records = last
-            report.cuts = [f"segment {c.segment} @ {c.offset}: {c.bytes_cut} B ({c.reason})"
-                           for c in res.cuts]
+            report.cuts = [str(c) for c in res.cuts]
             broken = violations(state)
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
