@@ -10,6 +10,7 @@ events, journaled as one record that starts with a ``Recovered`` marker.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import structlog
@@ -61,7 +62,21 @@ def recover_cleanup(store: Txn) -> None:
     # the marker goes first in the record; its apply is a no-op, so inserting it is exact
     store._pending.insert(0, ev.Recovered(rep.records, pack(rep.kept),
                                           pack(sorted(rep.dropped))))
-    for bid, why in rep.dropped.items():
-        log.warning("store.recovery_dropped", checkpoint=bid, reason=why)
+    log_dropped(rep.dropped)
     log.info("store.recovered", records=rep.records, kept=rep.kept,
              dropped=len(rep.dropped), cuts=rep.cuts)
+
+
+def log_dropped(dropped: dict[int, str], shown: int = 8) -> None:
+    """One warning for the checkpoints a recovery dropped: how many, the first ``shown`` ids
+    and the commonest reasons with their counts (a store without a host tier drops every
+    retained checkpoint, thousands of lines otherwise); each one at debug level. The full
+    list is ``store.recovery.dropped``."""
+    if not dropped:
+        return
+    for bid, why in dropped.items():
+        log.debug("store.recovery_dropped_checkpoint", checkpoint=bid, reason=why)
+    reasons = Counter(dropped.values()).most_common(3)
+    log.warning("store.recovery_dropped", count=len(dropped), checkpoints=list(dropped)[:shown],
+                reasons={why: n for why, n in reasons},
+                more_reasons=len(set(dropped.values())) - len(reasons))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import structlog.testing
 import torch
 
 from ninfer_kv.engine.device import UNMAPPED
@@ -268,3 +269,30 @@ def test_snapshot_recovery_equals_full_replay(make_store: MakeStore, tmp_path) -
     st, last, _ = recover_state(str(tmp_path / "journal"), schema_major=1, initial=lambda: None,
                                 load_snapshot=decode_state, apply_record=apply_record)
     assert digest(st) == live and last == s.state.seq
+
+
+def test_recovery_logs_one_warning_for_all_dropped_checkpoints(make_store: MakeStore) -> None:
+    """A store without a host tier drops every retained checkpoint at reopen: one warning
+    line with the count, the first ids and the reasons counted, not one line each."""
+    s = make_store()
+    kept = []
+    for _ in range(12):
+        a = s.activate(10, 10)
+        s.ensure_mapped(a, "main", 10)
+        step(s)
+        s.commit(a, "main", 10)
+        s.finish(a, retain=True)
+        kept.append(a)
+    step(s)
+    s.close()
+    with structlog.testing.capture_logs() as logs:
+        s2 = KVStore.open(s.config)
+    s2.close()
+    warned = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1, warned
+    w = warned[0]
+    assert w["event"] == "store.recovery_dropped" and w["count"] == 12
+    assert w["checkpoints"] == kept[:8]
+    assert w["reasons"] == {"pool main block 0: device-only page (no host replica)": 12}
+    assert w["more_reasons"] == 0
+    assert sorted(s2.recovery.dropped) == kept  # the full list stays on the report
