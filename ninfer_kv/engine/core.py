@@ -11,9 +11,10 @@ every later mutating call raises ``StoreFailed`` until the store is reopened.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import structlog
@@ -91,6 +92,38 @@ def loads(payload: bytes) -> bool:
     return True
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def command(fn: F) -> F:
+    """A mutating command of ``KVStore``: all of it happens, or none of it, or the store fails.
+
+    Commands validate, then emit; the emitted events are applied at once and the command's
+    queues for the boundary (device copies, table rows) are filled after. An exception that
+    escapes once the first event reached ``apply`` — ``KeyboardInterrupt`` at Ctrl-C,
+    ``SystemExit`` from a signal handler, ``MemoryError``, a bug — would leave half a command
+    in the state that the next boundary (or ``close``) journals: a page mapped in the state
+    and missing from the block table, a COW tail whose copy never runs. So it fails the store
+    (fail-stop: nothing pending is published, a reopen recovers from the journal). A
+    ``KeyboardInterrupt`` or ``SystemExit`` then reaches the engine unchanged; any other
+    exception as ``StoreFailed`` from it. An exception before the first event (a typed
+    refusal, an interrupt while planning) changed nothing and passes through."""
+    @functools.wraps(fn)
+    def run(self: StoreCore, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        mark = self._applied
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as exc:
+            if self._applied == mark or self._failed is not None:
+                raise
+            self._fail(fn.__name__, exc)
+            if not isinstance(exc, Exception):
+                raise
+            raise StoreFailed(f"{fn.__name__} raised after it changed the state; the store "
+                              f"stopped: {self._failed}") from exc
+    return cast(F, run)
+
+
 class StoreCore:
     """Lifecycle (open, close, snapshot, compact), fail-stop and the boundary. Not thread-safe
     (one engine loop). ``KVStore`` adds the commands."""
@@ -106,6 +139,7 @@ class StoreCore:
                                             plan.C, plan.L, config.device,
                                             config.allocate_planes)
         self._pending: list[Any] = []
+        self._applied = 0  # events handed to apply, ever: ``command`` compares it
         # device copies for the next boundary, in emission order (a page group freed and
         # reused within one record must be read by an earlier copy before it is overwritten)
         self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
@@ -232,12 +266,16 @@ class StoreCore:
     def _emit(self, *events: Any) -> None:
         st = self.state
         for e in events:
+            self._applied += 1  # first: an interrupt inside apply leaves half an event
             try:
                 apply(st, e)
             except Exception as exc:  # a validated event that does not apply is a bug: stop
                 self._fail(f"apply {type(e).__name__}", exc)
                 raise StoreFailed(f"event {type(e).__name__} could not be applied; the store "
                                   f"stopped: {self._failed}") from exc
+            except BaseException as exc:  # an interrupt inside apply: half an event
+                self._fail(f"apply {type(e).__name__}", exc)
+                raise
             self._pending.append(e)
 
     def _touch(self, pool: str, bundle: int, block: int) -> None:

@@ -28,7 +28,7 @@ from ninfer_kv.engine import checked, continuation, decode, growth, host, info, 
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_int, as_ints, one_pair
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
-from ninfer_kv.engine.core import StoreCore
+from ninfer_kv.engine.core import StoreCore, command
 from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
@@ -61,7 +61,8 @@ class KVStore(StoreCore):
     process may have changed the store since). After any failed write, fsync, msync, device
     effect or apply the store is *failed* (fail-stop, like PostgreSQL's fsync PANIC): every
     later mutating call raises ``StoreFailed`` until it is reopened, which recovers from the
-    journal."""
+    journal. So does any exception that escapes a command after it changed the state
+    (``core.command``: an interrupt at any line leaves the store as it was, or failed)."""
 
     # --- lookups ------------------------------------------------------------------------------
     @property
@@ -115,6 +116,7 @@ class KVStore(StoreCore):
             tokens += cfg.serving.draft_window - 1
         return min(self.plan.L, ceil_div(tokens, P))
 
+    @command
     def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:
         """Activate a new sequence from root; returns its id (the bundle id)."""
         self._usable("activate")
@@ -138,6 +140,7 @@ class KVStore(StoreCore):
             self._touch(p, bundle, 0)  # the leased row is published whole: no stale entries
         return bundle
 
+    @command
     def grow(self, step_tokens: int = 1) -> growth.GrowResult:
         """kv_lease_growth at a decode-round boundary (engine/growth.py)."""
         self._usable("grow")
@@ -158,12 +161,14 @@ class KVStore(StoreCore):
                                         f"(max_concurrency C={p.rows})", pool=name)
 
     # --- mapping (§8.1) -------------------------------------------------------------------------
+    @command
     def ensure_mapped(self, bundle: int, pool: str | PoolKind, tokens: int) -> int:
         """``ensure_mapped_to_tokens``: a lower bound. Returns the pages materialized."""
         b, t = one_pair("seq", bundle, "tokens", tokens)  # arguments first, as commit checks
         self._usable("ensure_mapped")
         return decode.ensure_mapped_many(self, self._pool(pool), b, t)
 
+    @command
     def ensure_mapped_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                            tokens: Sequence[int] | np.ndarray) -> int:
         """Step 1 of a decode round (engine/decode.py). Returns the pages materialized."""
@@ -174,6 +179,7 @@ class KVStore(StoreCore):
     def commit(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         self.commit_many(pool, *one_pair("seq", bundle, "frontier", frontier))
 
+    @command
     def commit_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                     frontiers: Sequence[int] | np.ndarray) -> None:
         """Step 3 of a decode round (engine/decode.py): advance committed frontiers after the
@@ -184,17 +190,20 @@ class KVStore(StoreCore):
     def set_provisional(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         self.set_provisional_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
 
+    @command
     def set_provisional_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
                              frontiers: Sequence[int] | np.ndarray) -> None:
         self._usable("set_provisional")
         decode.set_provisional_many(self, self._pool(pool), bundles, frontiers)
 
+    @command
     def trim(self, bundle: int, pool: str | PoolKind) -> int:
         """Unmap trailing pages: NeededPages = ceil(max(committed, provisional) / P) (§8.2).
         Returns the pages unmapped; their leases go back to this space's reservation."""
         self._usable("trim")
         return termination.trim(self, self._pool(pool), self._space(bundle, pool, active=True))
 
+    @command
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         """Move the committed frontier back (not below the protected frontier), then trim
         (engine/termination.py)."""
@@ -204,11 +213,13 @@ class KVStore(StoreCore):
                              frontier)
 
     # --- termination (§8.3) -----------------------------------------------------------------------
+    @command
     def finish(self, bundle: int, retain: bool = False, reason: str = "stop") -> int | None:
         """Leave execution; retain an immutable checkpoint (returns its id) or release all."""
         self._usable("finish")
         return termination.finish(self, as_int("seq", bundle), retain, reason)
 
+    @command
     def share_prefix(self, bundle: int, frontier: int | None = None) -> int:
         """Publish the first ``frontier`` tokens of running sequence ``bundle`` — whole pages
         only: ``frontier // P`` of them, default its committed frontier — as a new inactive
@@ -218,6 +229,7 @@ class KVStore(StoreCore):
         self._usable("share_prefix")
         return continuation.share_prefix(self, bundle, frontier)
 
+    @command
     def fork_live(self, bundle: int, max_output_tokens: int,
                   frontier: int | dict[str, int] | None = None) -> int:
         """A new active sequence continuing running sequence ``bundle`` at token ``frontier``
@@ -230,12 +242,14 @@ class KVStore(StoreCore):
         self._usable("fork_live")
         return continuation.fork_live(self, bundle, frontier, max_output_tokens)
 
+    @command
     def release(self, checkpoint: int) -> None:
         """Drop a checkpoint's references; leases free with their last reference (§8.3). A
         page a queued copy still reads stays pinned until the boundary has run the copy."""
         self._usable("release")
         termination.release(self, as_int("checkpoint", checkpoint))
 
+    @command
     def release_tail(self, checkpoint: int, frontier: int | dict[str, int]) -> int | None:
         """Give up the pages of inactive ``checkpoint`` above its first ``frontier // P``
         whole pages (``frontier``: one int, or one per pool): a new checkpoint holds those
@@ -247,6 +261,7 @@ class KVStore(StoreCore):
         return continuation.release_tail(self, checkpoint, frontier)
 
     # --- engine metadata and read-only answers (engine/info.py) -----------------------------
+    @command
     def set_metadata(self, bundle: int, metadata: Any) -> None:
         """Attach ``metadata`` (anything msgpack can encode: token ids, a model tag, ...; at
         most ``METADATA_MAX`` bytes encoded) to an active sequence or a checkpoint; ``None``
@@ -299,6 +314,7 @@ class KVStore(StoreCore):
         return [b for b, x in self.state.bundles.items() if x.active]
 
     # --- host tier (§5.3) — see engine/host.py ---------------------------------------------
+    @command
     def offload(self, checkpoint: int, drop_device: bool = False) -> int:
         """Queue D2H copies of a checkpoint's pages; published (and synced, with a
         persistence directory) at the next boundary. Returns the pages queued. With
@@ -309,12 +325,14 @@ class KVStore(StoreCore):
             raise InvalidArgument(f"drop_device={drop_device!r} must be a bool")
         return host.offload(self, as_int("checkpoint", checkpoint), drop_device)
 
+    @command
     def drop_device(self, checkpoint: int) -> int:
         """Free the device page groups of an offloaded inactive checkpoint; pages whose D2H
         copy is still queued drop when it publishes (at the next boundary)."""
         self._usable("drop_device")
         return host.drop_device(self, as_int("checkpoint", checkpoint))
 
+    @command
     def drop_host(self, bundle: int) -> int:
         """Free the host extents of a checkpoint's (or an active sequence's, e.g. after
         ``swap_in``) pages that live on the device and no other checkpoint holds."""
@@ -322,6 +340,7 @@ class KVStore(StoreCore):
         return host.drop_host(self, as_int("bundle", bundle))
 
     # --- continuation (§7.3, §9) — see engine/continuation.py --------------------------------------
+    @command
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,
                       max_output_tokens: int, *, keep_source: bool = True,
                       mode: str = "auto") -> int:

@@ -1,0 +1,108 @@
+"""An exception raised at any line of a command — ``KeyboardInterrupt`` from Ctrl-C,
+``SystemExit`` from an engine's SIGTERM handler, a ``MemoryError`` — either leaves the store as
+it was and usable, or fails it (fail-stop): never half a command that the next boundary
+journals. Before this rule an interrupt after ``ensure_mapped_many`` applied its Materialize
+but before it queued the table write left a page mapped in the state and the journal and
+missing from the block table: the kernels skipped the entry, the token's KV was lost, and
+every later command succeeded.
+
+The test raises ``KeyboardInterrupt`` at the N-th line the command executes inside
+``ninfer_kv`` (a ``sys.settrace`` tracer), for every N from just before the command's first
+event to its end, and at a sample of the lines before (planning, which mutates nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import StoreFailed
+from ninfer_kv.replay import replay
+from tests.engine.conftest import small_config
+from tests.interrupts import Injector, lines_to_try
+
+
+def setup(tmp: Path) -> tuple[KVStore, dict[str, int]]:
+    """A store with a retained 100-token checkpoint and an active sequence mapped to 100
+    tokens and committed to a page edge (64), all published."""
+    s = KVStore.open(small_config(tmp))
+    ck = s.activate(100, 20)
+    s.ensure_mapped(ck, "main", 100)
+    with s.boundary():
+        pass
+    s.commit(ck, "main", 100)
+    s.finish(ck, retain=True)
+    a = s.activate(64, 100)
+    s.ensure_mapped(a, "main", 100)
+    with s.boundary():
+        pass
+    s.commit(a, "main", 64)
+    with s.boundary():
+        pass
+    return s, {"ck": ck, "a": a}
+
+
+COMMANDS: dict[str, Callable[[KVStore, dict[str, int]], Any]] = {
+    "activate": lambda s, h: s.activate(50, 50),
+    "ensure_mapped_many (page crossing)": lambda s, h: s.ensure_mapped_many("main", [h["a"]],
+                                                                            [129]),
+    "commit_many": lambda s, h: s.commit_many("main", [h["a"]], [90]),
+    "activate_from (Fork mid-page)": lambda s, h: s.activate_from(h["ck"], 70, 100, 20),
+    "activate_from (Move)": lambda s, h: s.activate_from(h["ck"], 100, 100, 20,
+                                                         keep_source=False),
+    "finish (retain)": lambda s, h: s.finish(h["a"], retain=True),
+    "finish": lambda s, h: s.finish(h["a"]),
+    "release": lambda s, h: s.release(h["ck"]),
+    "truncate": lambda s, h: s.truncate(h["a"], "main", 10),
+    "share_prefix": lambda s, h: s.share_prefix(h["a"]),
+    "release_tail": lambda s, h: s.release_tail(h["ck"], 64),
+    "set_provisional_many": lambda s, h: s.set_provisional_many("main", [h["a"]], [80]),
+    "trim": lambda s, h: s.trim(h["a"], "main"),
+    "fork_live": lambda s, h: s.fork_live(h["a"], 20, 40),
+    "set_metadata": lambda s, h: s.set_metadata(h["ck"], {"tokens": [1, 2, 3]}),
+}
+
+
+def run(cmd: Callable[[KVStore, dict[str, int]], Any], tmp: Path, at: int
+        ) -> tuple[KVStore, str, Injector, BaseException | None]:
+    s, h = setup(tmp)
+    before = s.digest()
+    inj = Injector(at)
+    err = inj.run(lambda: cmd(s, h))
+    return s, before, inj, err
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_an_interrupt_anywhere_leaves_the_store_as_it_was_or_failed(name: str,
+                                                                     tmp_path: Path) -> None:
+    cmd = COMMANDS[name]
+    s, _, dry, err = run(cmd, tmp_path / "dry", 0)
+    assert err is None and dry.first_emit > 0, (name, err)
+    s.close()
+    outcomes = {"unchanged": 0, "failed": 0}
+    for at in lines_to_try(dry.lines, dry.first_emit):
+        tmp = tmp_path / f"at{at}"
+        s, before, _, err = run(cmd, tmp, at)
+        assert isinstance(err, KeyboardInterrupt), (name, at, err)  # the engine sees its own
+        if s._failed is None:  # nothing of the command happened: usable, as it was
+            outcomes["unchanged"] += 1
+            assert s.digest() == before and not s._pending and not s._effects, (name, at)
+            with s.boundary():
+                pass
+            s.check_invariants()
+            live = s.digest()
+            s.close()
+            assert replay(str(tmp / "journal")).digest == live, (name, at)
+        else:  # failed: every later command refuses and the journal holds nothing of it
+            outcomes["failed"] += 1
+            with pytest.raises(StoreFailed):
+                s.activate(1, 1)
+            with pytest.raises(StoreFailed):
+                with s.boundary():
+                    pass
+            s.close()
+            assert replay(str(tmp / "journal")).digest == before, (name, at)
+    assert outcomes["failed"] and outcomes["unchanged"], outcomes
