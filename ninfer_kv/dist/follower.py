@@ -282,10 +282,18 @@ class Follower:
                                          "with the leader's host_bytes")
             decoded.append((fr.seq, fr.crc, events))
             seq, crc = fr.seq, fr.crc
-        for rseq, rcrc, events in decoded:
-            self._apply(rseq, events)
-            self.seq, self.last_crc = rseq, rcrc
-            self.stats["records"] += 1
+        try:
+            for rseq, rcrc, events in decoded:
+                self._apply(rseq, events)
+                self.seq, self.last_crc = rseq, rcrc
+                self.stats["records"] += 1
+        except BaseException as exc:  # an interrupt (Ctrl-C, a signal handler's SystemExit)
+            # or a bug: a record half applied, or applied with seq not advanced — stop, as
+            # ``engine.core.command`` stops a store; _apply named what it refused already
+            if self.failed is None:
+                self.failed = f"record {self.seq + 1}: {type(exc).__name__}: {exc}"
+                log.error("replica.failed", reason=self.failed)
+            raise
         if leader_digest is not None and digest(st) != leader_digest:
             self.failed = f"digest {digest(st)} != leader's {leader_digest} at seq {self.seq}"
             raise ReplicaDiverged(f"follower diverged: {self.failed}")

@@ -14,11 +14,13 @@ from ninfer_kv.dist import (
     NotLeader,
     PlanMismatch,
     RecordRefused,
+    ReplicaDiverged,
     ReplicaError,
     shard_config,
 )
 from ninfer_kv.dist.stream import MSG_MAGIC, decode_message
 from tests.dist import workers as w
+from tests.interrupts import Injector, lines_to_try
 
 
 def frames_of(message: bytes) -> list[bytes]:
@@ -323,3 +325,52 @@ def test_bad_arguments_to_the_dist_api_are_typed() -> None:
     assert follower.failed is None and follower.expect == 1
     assert follower.store.digest() == store.digest()
     store.close()
+
+
+
+def test_an_interrupt_while_applying_leaves_the_follower_as_it_was_or_failed() -> None:
+    """``KeyboardInterrupt`` at any line of ``apply_records``: the follower is as it was (the
+    same record then applies), has applied the record whole, or failed (``ReplicaDiverged``
+    from then on) — never a record half applied, or applied with the follower's seq not
+    advanced (the next message would apply it again, or be refused as out of order)."""
+    cfg = shard_config(w.config(), 2)
+    sent: list[bytes] = []
+    store = KVStore.open(cfg)
+    leader = Leader(store, sent.append)
+    hello = sent.pop(0)
+    s = store.activate(100, 10)
+    store.ensure_mapped(s, "main", 100)
+    with leader.boundary():
+        pass
+    store.commit(s, "main", 100)
+    store.activate(20, 5)
+    with leader.boundary():
+        pass
+    (r1,), (r2,) = frames_of(sent[0]), frames_of(sent[1])
+    dry = Injector(0, first="_apply")
+    whole = Follower.from_hello(cfg, hello)
+    assert dry.run(lambda: whole.apply_records([r1])) is None
+    applied = (whole.seq, whole.store.digest())  # r1 applied whole
+    outcomes = {"as it was": 0, "applied": 0, "failed": 0}
+    for at in lines_to_try(dry.lines, dry.first_emit):
+        f = Follower.from_hello(cfg, hello)
+        before = (f.seq, f.store.digest())
+        err = Injector(at).run(lambda f=f: f.apply_records([r1]))
+        if err is None:
+            continue  # past the lines this run took (from_hello ran untraced)
+        assert isinstance(err, KeyboardInterrupt), (at, err)
+        if f.failed is None:
+            now = (f.seq, f.store.digest())
+            assert now in (before, applied), at
+            outcomes["as it was" if now == before else "applied"] += 1
+            if now == before:
+                f.apply_records([r1])
+            f.apply_records([r2])
+            assert f.store.digest() == store.digest(), at
+        else:
+            outcomes["failed"] += 1
+            with pytest.raises(ReplicaDiverged):
+                f.apply_records([r2])
+        f.close()
+    store.close()
+    assert outcomes["failed"] and outcomes["as it was"], outcomes
