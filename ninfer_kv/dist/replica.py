@@ -60,7 +60,7 @@ from ninfer_kv.dist.stream import (
 )
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.config import StoreConfig
-from ninfer_kv.engine.core import changes_what_survives
+from ninfer_kv.engine.durability import changes_what_survives
 from ninfer_kv.engine.state import digest, encode_state
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, InvalidArgument

@@ -28,7 +28,7 @@ import structlog
 
 from ninfer_kv.dist.errors import PlanMismatch
 from ninfer_kv.engine.config import StoreConfig
-from ninfer_kv.engine.core import changes_what_survives
+from ninfer_kv.engine.durability import changes_what_survives
 from ninfer_kv.engine.opening import ARENA_NAME
 from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore

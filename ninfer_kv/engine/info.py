@@ -1,6 +1,7 @@
 """Read-only answers an engine needs, as documented dataclasses instead of internals:
 ``checkpoint_info`` (frontier, residency, bytes, metadata of one sequence or checkpoint) and
-``metrics`` (counters and occupancy of the whole store). Nothing here mutates state.
+``metrics`` (counters and occupancy of the whole store), and ``table_violations`` (the
+published block tables against the state). Nothing here mutates state.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import UnknownHandle
@@ -184,3 +186,28 @@ def metrics(store: Txn) -> StoreMetrics:
                         st.host.live_bytes if st.host is not None else 0,
                         j.last_seq if j is not None else 0,
                         j.durable_seq if j is not None else 0)
+
+
+def table_violations(store: Txn) -> list[str]:
+    """The published block tables against the state (§13, §7.2): each active sequence's row
+    maps its membership's page groups and nothing after them; a row nobody holds maps
+    nothing. Skipped while a boundary is owed (tables lag the state until it runs)."""
+    out: list[str] = []
+    if store._frozen or store._touched or store._freed_rows:
+        return out
+    for name, pd in store.device.pools.items():
+        tables = pd.block_tables.cpu()
+        pool = store.state.pools[name]
+        for sp in pool.spaces.values():
+            if sp.active:
+                want = [pool.pages[s].device for s in sp.members]  # type: ignore[union-attr]
+                want += [UNMAPPED] * (pool.logical_pages - len(want))
+                got = tables[sp.row].tolist()
+                if got != want:
+                    out.append(f"{name}: row {sp.row} of seq {sp.bundle} publishes {got}, "
+                               f"membership maps {want}")
+        for r in pool.free_rows:  # §7.2: a row nobody holds maps nothing
+            if pd.published[r] or bool((tables[r] != UNMAPPED).any()):
+                out.append(f"{name}: row {r} is leased to no sequence, yet publishes "
+                           f"{tables[r].tolist()} (published to {int(pd.published[r])})")
+    return out

@@ -29,7 +29,6 @@ from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_int, as_ints, one_pair
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore, command
-from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
@@ -59,10 +58,9 @@ class KVStore(StoreCore):
     boundary and the views into device memory raise ``StoreClosed``; the queries still answer
     from the final in-memory state (no I/O: the journal and its lock are released, so another
     process may have changed the store since). After any failed write, fsync, msync, device
-    effect or apply the store is *failed* (fail-stop, like PostgreSQL's fsync PANIC): every
-    later mutating call raises ``StoreFailed`` until it is reopened, which recovers from the
-    journal. So does any exception that escapes a command after it changed the state
-    (``core.command``: an interrupt at any line leaves the store as it was, or failed)."""
+    effect or apply — or an exception escaping a command after it changed the state
+    (``core.command``) — the store is *failed* (fail-stop, like PostgreSQL's fsync PANIC):
+    every later mutating call raises ``StoreFailed`` until it is reopened from the journal."""
 
     # --- lookups ------------------------------------------------------------------------------
     @property
@@ -384,25 +382,8 @@ class KVStore(StoreCore):
 
     # --- invariants and digest (§14) ----------------------------------------------------------------
     def violations(self) -> list[str]:
-        out = violations(self.state)
-        for name, pd in self.device.pools.items():
-            if self._frozen or self._touched or self._freed_rows:  # tables lag until the boundary
-                break
-            tables = pd.block_tables.cpu()
-            pool = self.state.pools[name]
-            for sp in pool.spaces.values():
-                if sp.active:
-                    want = [pool.pages[s].device for s in sp.members]  # type: ignore[union-attr]
-                    want += [UNMAPPED] * (pool.logical_pages - len(want))
-                    got = tables[sp.row].tolist()
-                    if got != want:
-                        out.append(f"{name}: row {sp.row} of seq {sp.bundle} publishes {got}, "
-                                   f"membership maps {want}")
-            for r in pool.free_rows:  # §7.2: a row nobody holds maps nothing
-                if pd.published[r] or bool((tables[r] != UNMAPPED).any()):
-                    out.append(f"{name}: row {r} is leased to no sequence, yet publishes "
-                               f"{tables[r].tolist()} (published to {int(pd.published[r])})")
-        return out
+        """§14 on the state, and the device tables against it (``info.table_violations``)."""
+        return violations(self.state) + info.table_violations(self)
 
     def check_invariants(self) -> None:
         v = self.violations()

@@ -41,6 +41,7 @@ class Txn(Protocol):
     _touched: dict[str, dict[int, int]]  # pool -> seq -> first block to publish
     _freed_rows: dict[str, set[int]]     # pool -> rows a finish left: unmapped at the boundary
     _written: dict[tuple[str, int, int], set[int]]  # checked mode: (pool, seq, layer) -> tokens
+    _frozen: bool                         # a GPU unit is in flight (§8.4)
 
     @property
     def pools(self) -> tuple[str, ...]: ...

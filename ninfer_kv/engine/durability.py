@@ -1,0 +1,51 @@
+"""Which records change what a reopen keeps (README, "Durability contract"): under
+``sync="commit"`` those are fsynced before the boundary returns, and a standby acknowledges
+them; a decode round's records are not (active sequences are aborted by a reopen)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ninfer_kv.engine.state import StoreState
+from ninfer_kv.journal import events as ev
+
+SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
+                   ev.Move, ev.Share, ev.Prefix, ev.HostPublish, ev.HostAbort, ev.HostDrop,
+                   ev.SetMetadata)
+"""Events that change what a reopen keeps: the configuration, which checkpoints exist, their
+metadata and which host replicas they have. Every other event touches only active sequences, which a
+reopen aborts, or device state, which never survives (README, "Durability contract")."""
+
+
+_SURVIVAL_TYPES = frozenset(SURVIVAL_EVENTS)  # event structs are final: no subclasses
+
+
+def changes_what_survives(events: list[Any], st: StoreState) -> bool:
+    """Whether a record must be fsynced under ``sync="commit"`` (and a standby must
+    acknowledge it), given ``st``, the state after the record: it holds a ``SURVIVAL_EVENTS``
+    event that changes what a reopen keeps. Not one: a ``Finish`` that retains nothing; a
+    ``SetMetadata`` of a sequence still active after the record (a reopen aborts it; the
+    record that retains it is durable and covers this one, the log being sequential); the
+    ``Share`` and ``Release`` of a checkpoint this same record made and released (``fork_live``'s
+    transient checkpoint)."""
+    made: set[int] | None = None
+    for e in events:
+        t = type(e)
+        if t not in _SURVIVAL_TYPES:
+            continue
+        if t is ev.Finish:
+            if e.retain:
+                return True
+        elif t is ev.SetMetadata:
+            b = st.bundles.get(e.bundle)
+            if b is None or not b.active:
+                return True
+        elif t is ev.Share or t is ev.Release:
+            if made is None:  # checkpoints this record made
+                made = {x.dst for x in events if type(x) is ev.Share}
+            ck = e.dst if t is ev.Share else e.bundle
+            if ck not in made or ck in st.bundles:  # an older one, or one that outlives it
+                return True
+        else:
+            return True
+    return False
