@@ -159,7 +159,7 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
           "tests/engine/test_continuation.py", "tests/engine/test_host_tier.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
           "tests/engine/test_host_arena.py", "tests/engine/test_row_isolation.py",
-          "tests/engine/test_snapshot_pruning.py"]
+          "tests/engine/test_snapshot_pruning.py", "tests/engine/test_interrupted_commands.py"]
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",

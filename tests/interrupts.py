@@ -50,7 +50,8 @@ class Injector:
         return self.local
 
 
-def lines_to_try(total: int, first_emit: int) -> list[int]:
-    """Every line from a few before the first event on; before it (planning) every 11th."""
+def lines_to_try(total: int, first_emit: int, stride: int = 11) -> list[int]:
+    """Every line from a few before the first event on; before it (planning) every
+    ``stride``-th."""
     dense = max(1, first_emit - 3)
-    return sorted(set(range(1, dense, 11)) | set(range(dense, total + 1)))
+    return sorted(set(range(1, dense, stride)) | set(range(dense, total + 1)))

@@ -106,3 +106,32 @@ def test_an_interrupt_anywhere_leaves_the_store_as_it_was_or_failed(name: str,
             s.close()
             assert replay(str(tmp / "journal")).digest == before, (name, at)
     assert outcomes["failed"] and outcomes["unchanged"], outcomes
+
+
+def test_an_error_after_the_first_event_is_store_failed_from_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """An ordinary exception (a bug, a ``MemoryError``) after a command's first event: the
+    store fails and the caller gets ``StoreFailed`` naming it, raised from it. Before the
+    first event the same exception passes through and the store stays usable."""
+    s, h = setup(tmp_path)
+    before = s.digest()
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("out of something")
+
+    monkeypatch.setattr(s, "fault_hook", boom)  # called while activate_from plans
+    with pytest.raises(RuntimeError, match="out of something"):
+        s.activate_from(h["ck"], 70, 100, 20)
+    assert s.failed is None and s.digest() == before
+    monkeypatch.setattr(s, "fault_hook", None)
+    monkeypatch.setattr(s, "_touch", boom)  # called after ensure_mapped_many's Materialize
+    with pytest.raises(StoreFailed, match="ensure_mapped_many raised after it changed the "
+                                          "state.*RuntimeError: out of something") as err:
+        s.ensure_mapped_many("main", [h["a"]], [129])
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert s.failed is not None
+    with pytest.raises(StoreFailed):
+        s.activate(1, 1)
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == before
