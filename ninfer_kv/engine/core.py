@@ -285,11 +285,14 @@ class StoreCore:
 
     def _publish_record(self) -> int:
         """One boundary; any failure inside stops the store (fail-stop) and raises
-        ``StoreFailed`` — nothing queued is left to run later."""
+        ``StoreFailed`` — nothing queued is left to run later (``KeyboardInterrupt`` and
+        ``SystemExit`` stop it too, and reach the engine unchanged)."""
         try:
             return self._publish_record_unguarded()
         except BaseException as exc:
             self._fail("boundary", exc)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as ``command``
+                raise
             raise StoreFailed(f"boundary failed; the store stopped: {self._failed}") from exc
 
     def _publish_record_unguarded(self) -> int:

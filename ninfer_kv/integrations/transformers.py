@@ -154,6 +154,9 @@ class NinferKVCache(Cache):
         self.seqs: list[int] = []
         self._budget: list[int] = []   # per row: most tokens it may hold (prompt + output)
         self._unit: _Unit | None = None
+        # (unit, column count before it) from _end's first line to its last: abort asks the
+        # store whether the unit's commit happened
+        self._ending: tuple[_Unit, int] | None = None
         self._layer = -1
         self._key: torch.Tensor | None = None
         self._seen_before = seen
@@ -196,12 +199,22 @@ class NinferKVCache(Cache):
         return out
 
     def abort(self) -> None:
-        """Undo a forward that did not reach its last layer (an exception in the model): the
-        unit completes without commit (the store unfreezes; columns written above the
-        frontiers are not committed, §8.4) and transformers' column counts roll back."""
-        if self._unit is not None:
+        """After a forward raised (an exception in the model, an interrupt): complete its unit
+        without commit (the store unfreezes; columns written above the frontiers are not
+        committed, §8.4) and make transformers' column counts agree with the store again —
+        rolled back, unless the store had committed the forward's tokens already (an
+        interrupt at its very end). ``get_seq_length()`` then says where the next forward
+        continues; feeding the step again after such a commit would write its tokens' K/V a
+        second time."""
+        ending, self._ending = self._ending, None
+        if self._unit is not None or ending is not None:
             self._unit = None
-            self.store.unit_complete()
+            self.store.unit_complete()  # idempotent: _end may have run it already
+        if ending is not None:
+            unit, before = ending
+            committed = self.store.failed is None and bool(unit.real.any()) and \
+                self.frontiers() == unit.end.tolist()
+            self._seen_before = self.layers[0].seen if committed else before
         for layer in self.layers:
             layer.seen = self._seen_before
 
@@ -242,8 +255,9 @@ class NinferKVCache(Cache):
             if not self.seqs:
                 self._admit(new)
         except BaseException:
-            for seq in self.seqs:        # all rows or none: no half-admitted batch
-                self.store.finish(seq)
+            if self.store.failed is None:  # a failed store refuses: its reopen drops them
+                for seq in self.seqs:      # all rows or none: no half-admitted batch
+                    self.store.finish(seq)
             self.seqs = []
             self.abort()
             raise
@@ -277,20 +291,22 @@ class NinferKVCache(Cache):
         return unit
 
     def _end(self, unit: _Unit) -> None:
+        self._ending = (unit, self._seen_before)  # first: from here on abort asks the store
         self._unit = None
         self.store.unit_complete()
         self.store.commit_many(self.pool, self.seqs, unit.end.tolist())
         self._seen_before = self.layers[0].seen
+        self._ending = None
 
 
 class _Unit:
     """One forward's plan: the real tokens of each row, flattened in row order."""
 
     def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
-                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
-                 active: torch.Tensor) -> None:
+                 positions: torch.Tensor, cu: torch.Tensor, start: torch.Tensor,
+                 end: torch.Tensor, active: torch.Tensor) -> None:
         self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
-        self.cu, self.end, self.active = cu, end, active
+        self.cu, self.start, self.end, self.active = cu, start, end, active
 
     @classmethod
     def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
@@ -302,8 +318,8 @@ class _Unit:
         active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
         cu = torch.zeros(len(active) + 1, dtype=torch.int32)
         cu[1:] = counts[active].cumsum(0)
-        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, end,
-                   active)
+        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, start,
+                   end, active)
 
     def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:

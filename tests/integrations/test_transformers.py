@@ -21,6 +21,7 @@ from ninfer_kv.errors import (
     UnsupportedOperation,
 )
 from ninfer_kv.integrations.transformers import NinferKVCache, register, store_config_for
+from tests.interrupts import Injector, lines_to_try
 from tests.kernels import reference as ref
 
 LAYERS, D = 2, 64
@@ -390,3 +391,51 @@ def test_bad_cache_arguments_are_typed_refusals(models, kw: dict) -> None:  # no
         kw = {"prefix": ck if p == "ck" else tuple(ck if x == "ck" else x for x in p)}
     with pytest.raises(InvalidArgument):
         NinferKVCache(store, **kw)
+
+
+def test_after_an_interrupted_forward_abort_agrees_with_the_store(models) -> None:  # noqa: ANN001
+    """``KeyboardInterrupt`` at any line a decode forward runs in ninfer_kv code (every line
+    from just before the commit on, a sample before): after ``abort()`` the cache's column
+    count is the store's — the step's columns when the store committed them, else none —
+    and continuing from ``get_seq_length()`` gives a clean run's next logits and frontiers.
+    Before, an interrupt after the store committed the step and before the cache noted it
+    rolled the columns back while the store kept the commit: the step fed again wrote its
+    tokens' K/V a second time (frontier one past, other logits)."""
+    _, ours, cfg = models
+    ids = torch.randint(1, 96, (2, 20), generator=torch.Generator().manual_seed(3))
+    nxt, nxt2 = torch.tensor([[7], [8]]), torch.tensor([[9], [10]])
+
+    def prefilled() -> tuple[KVStore, NinferKVCache]:
+        store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=2))
+        cache = NinferKVCache(store, max_new_tokens=10)
+        ours(ids, cache=cache)
+        return store, cache
+
+    with torch.no_grad():
+        store, cache = prefilled()
+        dry = Injector(0, first="_end")
+        assert dry.run(lambda: ours(nxt, cache=cache)) is None
+        want = (ours(nxt2, cache=cache).logits[:, -1], cache.frontiers())
+        store.close()
+        seen = {"rolled back": 0, "kept": 0, "store failed": 0}
+        for at in lines_to_try(dry.lines, dry.first_emit, stride=41):
+            store, cache = prefilled()
+            err = Injector(at).run(lambda c=cache: ours(nxt, cache=c))
+            assert isinstance(err, KeyboardInterrupt), (at, err)
+            if store.failed is not None:  # inside a command or the boundary: stopped
+                seen["store failed"] += 1
+                store.close()
+                continue
+            cache.abort()
+            n = cache.get_seq_length()
+            assert [n, n] == cache.frontiers(), at  # no padding: columns = committed tokens
+            assert n in (20, 21), at
+            seen["rolled back" if n == 20 else "kept"] += 1
+            if n == 20:
+                ours(nxt, cache=cache)
+            logits = ours(nxt2, cache=cache).logits[:, -1]
+            assert cache.frontiers() == want[1], at
+            assert torch.equal(logits, want[0]), at
+            store.check_invariants()
+            store.close()
+    assert all(seen.values()), seen
