@@ -94,7 +94,6 @@ def check_commit(store: Txn, pool: str, bundles: list[int], frontiers: list[int]
                     f"checked commit: seq {b} pool {pool} commits [{old}, {f}) but layer "
                     f"{layer} never wrote {len(missing)} of those tokens (first: {missing[0]}); "
                     "append_kv every layer before commit (§8.1)")
-    forget_committed(store, pool, bundles, frontiers)
 
 
 def forget_committed(store: Txn, pool: str, bundles: list[int], frontiers: list[int]) -> None:

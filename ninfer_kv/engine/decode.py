@@ -162,10 +162,13 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
             f"{old}, membership={limit}] (use truncate to move back)")
     if code != rk.OK:
         raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
-    if tx.config.checked and tx.config.allocate_planes:
+    watch = tx.config.checked and tx.config.allocate_planes
+    if watch:
         checked.check_commit(tx, p.name, b.tolist(), f.tolist())
     raw, w = out.tobytes(), 4 * len(b)  # seqs, frontiers: as ``pack`` writes them
     tx._emit(ev.CommitFrontiers(p.name, raw[:w], raw[w:]))
+    if watch:  # after the event: a commit interrupted before it still finds the writes
+        checked.forget_committed(tx, p.name, b.tolist(), f.tolist())
 
 
 def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,

@@ -67,10 +67,12 @@ def truncate(tx: Txn, p: PoolState, sp: KVAddressSpace, frontier: int) -> None:
     keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
     check_private(p, sp, keep)
     events: list[Any] = [ev.Truncate(bundle, p.name, frontier)]
-    if keep < sp.nmem:
+    trimmed = keep < sp.nmem
+    if trimmed:
         events.append(ev.Trim(bundle, p.name, keep))
-        tx._touch(p.name, bundle, keep)
     tx._emit(*events)
+    if trimmed:  # after the events (as every command): its blocks unmap at the boundary
+        tx._touch(p.name, bundle, keep)
     checked.forget(tx, p.name, bundle, frontier)  # the tail must be written again
 
 

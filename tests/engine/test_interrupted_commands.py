@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import StoreFailed
@@ -25,20 +26,28 @@ from tests.engine.conftest import small_config
 from tests.interrupts import Injector, lines_to_try
 
 
-def setup(tmp: Path) -> tuple[KVStore, dict[str, int]]:
+def setup(tmp: Path, checked: bool = False) -> tuple[KVStore, dict[str, int]]:
     """A store with a retained 100-token checkpoint and an active sequence mapped to 100
-    tokens and committed to a page edge (64), all published."""
-    s = KVStore.open(small_config(tmp))
+    tokens and committed to a page edge (64), all published; in checked mode both layers
+    wrote what is committed and the active sequence's tokens up to 100 (a commit to 90)."""
+    s = KVStore.open(small_config(tmp, checked=checked))
+
+    def wrote(seq: int, lo: int, hi: int) -> None:  # both layers (checked mode's ledger)
+        if checked:
+            rows = torch.full((hi - lo,), s.space(seq).row, dtype=torch.int32)
+            for layer in range(2):
+                s.batch_view("main", layer).guard(rows, torch.arange(lo, hi))  # type: ignore[misc]
+
     ck = s.activate(100, 20)
     s.ensure_mapped(ck, "main", 100)
     with s.boundary():
-        pass
+        wrote(ck, 0, 100)
     s.commit(ck, "main", 100)
     s.finish(ck, retain=True)
     a = s.activate(64, 100)
     s.ensure_mapped(a, "main", 100)
     with s.boundary():
-        pass
+        wrote(a, 0, 100)
     s.commit(a, "main", 64)
     with s.boundary():
         pass
@@ -63,33 +72,40 @@ COMMANDS: dict[str, Callable[[KVStore, dict[str, int]], Any]] = {
     "trim": lambda s, h: s.trim(h["a"], "main"),
     "fork_live": lambda s, h: s.fork_live(h["a"], 20, 40),
     "set_metadata": lambda s, h: s.set_metadata(h["ck"], {"tokens": [1, 2, 3]}),
+    "commit_many (checked mode)": lambda s, h: s.commit_many("main", [h["a"]], [90]),
+    "truncate (checked mode)": lambda s, h: s.truncate(h["a"], "main", 10),
 }
 
 
-def run(cmd: Callable[[KVStore, dict[str, int]], Any], tmp: Path, at: int
-        ) -> tuple[KVStore, str, Injector, BaseException | None]:
-    s, h = setup(tmp)
+def run(name: str, tmp: Path, at: int
+        ) -> tuple[KVStore, str, dict[Any, set[int]], Injector, BaseException | None]:
+    """Command ``name`` on a fresh ``setup`` with an interrupt at line ``at`` (0: none):
+    (store, digest before, checked mode's writes before, the injector, what it raised)."""
+    s, h = setup(tmp, checked="checked mode" in name)
     before = s.digest()
+    written = {k: set(v) for k, v in s._written.items()}
     inj = Injector(at)
-    err = inj.run(lambda: cmd(s, h))
-    return s, before, inj, err
+    err = inj.run(lambda: COMMANDS[name](s, h))
+    return s, before, written, inj, err
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_an_interrupt_anywhere_leaves_the_store_as_it_was_or_failed(name: str,
                                                                      tmp_path: Path) -> None:
-    cmd = COMMANDS[name]
-    s, _, dry, err = run(cmd, tmp_path / "dry", 0)
+    s, _, _, dry, err = run(name, tmp_path / "dry", 0)
     assert err is None and dry.first_emit > 0, (name, err)
     s.close()
     outcomes = {"unchanged": 0, "failed": 0}
     for at in lines_to_try(dry.lines, dry.first_emit):
         tmp = tmp_path / f"at{at}"
-        s, before, _, err = run(cmd, tmp, at)
+        s, before, written, _, err = run(name, tmp, at)
         assert isinstance(err, KeyboardInterrupt), (name, at, err)  # the engine sees its own
         if s._failed is None:  # nothing of the command happened: usable, as it was
             outcomes["unchanged"] += 1
-            assert s.digest() == before and not s._pending and not s._effects, (name, at)
+            assert s.digest() == before, (name, at)
+            queued = (s._pending, s._effects, s._touched, s._freed_rows, s._transfers)
+            assert not any(queued), (name, at, queued)
+            assert s._written == written, (name, at)  # checked mode: writes still count
             with s.boundary():
                 pass
             s.check_invariants()
