@@ -22,6 +22,7 @@ class Injector:
 
     def __init__(self, at: int, first: str = "_emit") -> None:
         self.at, self.first, self.lines, self.first_emit = at, first, 0, -1
+        self.where = ""  # "function:line" of the injection
 
     def run(self, fn: Callable[[], Any]) -> BaseException | None:
         """Call ``fn`` traced; the exception it raised (the injected one, or another), or
@@ -46,6 +47,7 @@ class Injector:
         if event == "line":
             self.lines += 1
             if self.lines == self.at:
+                self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
                 raise KeyboardInterrupt(f"injected at line {self.at}")
         return self.local
 

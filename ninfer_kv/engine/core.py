@@ -143,6 +143,7 @@ class StoreCore:
     def close(self) -> None:
         """Publish what is pending (unless failed), sync, release files and locks. Idempotent."""
         if self._closed:
+            self._release_locks()  # a close interrupted in its last lines left some
             return
         if os.getpid() != self._pid:  # a forked child's copy: write nothing, keep no lock
             self._closed = True
@@ -159,17 +160,24 @@ class StoreCore:
                     raise StoreFailed(f"close: {self._failed}") from exc
         finally:
             self._closed = True
-            if self.journal is not None:
-                with contextlib.suppress(KVStoreError, OSError):
-                    self.journal.close()
-                self.journal = None
-            if self.arena is not None:
-                with contextlib.suppress(OSError):
-                    self.arena.close()
-                self.arena = None
-            for lk in self._locks:
-                lk.release()
-            self._locks = []
+            try:
+                if self.journal is not None:
+                    with contextlib.suppress(KVStoreError, OSError):
+                        self.journal.close()
+                    self.journal = None
+                if self.arena is not None:
+                    with contextlib.suppress(OSError):
+                        self.arena.close()
+                    self.arena = None
+            finally:  # whatever stopped the closing of the files: the locks go
+                self._release_locks()
+
+    def _release_locks(self) -> None:
+        """Release every directory lock still held; each leaves the list only once released,
+        so a release interrupted half way is finished by the next call (``close`` again)."""
+        while self._locks:
+            self._locks[-1].release()
+            self._locks.pop()
 
     def snapshot(self) -> str | None:
         self._usable("snapshot")

@@ -50,9 +50,10 @@ class DirLock:
         _LIVE.add(self)
 
     def release(self) -> None:
-        if self._fd is not None:
-            self._fd = None
-            self._closer()  # closing the description drops the flock
+        """Unlock and close (idempotent). The finalizer runs first and ``_fd`` goes after:
+        a release interrupted before it is done by the next call."""
+        self._closer()  # runs once (or did, at collection): closing drops the flock
+        self._fd = None
 
 
 def _unlock_and_close(fd: int, owner: int) -> None:

@@ -12,6 +12,7 @@ event to its end, and at a sample of the lines before (planning, which mutates n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import StoreFailed
+from ninfer_kv.errors import StoreFailed, StoreLocked
+from ninfer_kv.journal.lock import _unlock_and_close
 from ninfer_kv.replay import replay
 from tests.engine.conftest import small_config
 from tests.interrupts import Injector, lines_to_try
@@ -151,3 +153,38 @@ def test_an_error_after_the_first_event_is_store_failed_from_it(tmp_path: Path,
         s.activate(1, 1)
     s.close()
     assert replay(str(tmp_path / "journal")).digest == before
+
+
+def test_an_interrupted_close_lets_the_directory_be_reopened(tmp_path: Path) -> None:
+    """``KeyboardInterrupt`` at any line of ``close()`` (a record pending): a second
+    ``close()`` finishes it and the directory reopens in the same process. Before, an
+    interrupt while the journal or the arena closed, or in ``DirLock.release`` before its
+    finalizer ran, left the lock held (``close`` had set closed first, so the second returned
+    at once): ``StoreLocked`` until the store object was collected.
+
+    One line stays open: the first of ``lock._unlock_and_close``, the finalizer, which
+    ``weakref.finalize`` has already marked run — the descriptor then stays open and the
+    lock lasts until the process exits (a reopen in this process is refused, loudly)."""
+    s, _ = setup(tmp_path / "dry")
+    s.activate(10, 10)
+    dry = Injector(0, first="close")
+    assert dry.run(s.close) is None
+    leaked = set()
+    for at in lines_to_try(dry.lines, dry.first_emit, stride=1):
+        s, _ = setup(tmp_path / f"at{at}")
+        s.activate(10, 10)
+        inj = Injector(at)
+        err = inj.run(s.close)
+        assert err is None or isinstance(err, KeyboardInterrupt), (at, err)
+        s.close()
+        assert s._locks == [], at
+        try:
+            again = KVStore.open(s.config)
+        except StoreLocked:
+            leaked.add(inj.where)
+            continue
+        again.check_invariants()
+        again.close()
+    lines, start = inspect.getsourcelines(_unlock_and_close)
+    first = start + next(i for i, x in enumerate(lines) if x.strip() == "try:")
+    assert leaked <= {f"_unlock_and_close:{first}"}, leaked
