@@ -53,8 +53,8 @@ class Entry:
 class LruRetention:
     """Retained checkpoints by recency, indexed by their prefix blocks. Invariants: every
     indexed checkpoint is retained in the store (``retain`` after ``finish(retain=True)``,
-    ``forget`` before ``release``); ``children[p]`` counts indexed entries whose parent is
-    ``p``."""
+    ``forget`` after ``release``; ``forget_gone`` restores it when something came between);
+    ``children[p]`` counts indexed entries whose parent is ``p``."""
 
     def __init__(self, priority: Callable[[int], int] | None = None,
                  block_tokens: int | None = None) -> None:
@@ -137,6 +137,7 @@ class LruRetention:
         stay and their prefixes stay findable."""
         if short is not None:
             short = as_int("short", short, lo=0)
+        self.forget_gone(store)
         victims = list(self.victims())
         if store.arena is not None:
             for ck in victims:
@@ -165,6 +166,20 @@ class LruRetention:
                 if freed[ck]:
                     return self._release(store, ck)
         return None
+
+    def forget_gone(self, store: KVStore) -> list[int]:
+        """Forget the indexed checkpoints ``store`` no longer retains, and return them. The
+        policy releases first and forgets after, so an interrupt between the two (Ctrl-C,
+        a signal handler's ``SystemExit``) left an entry for a released checkpoint and every
+        later ``make_room`` raised ``UnknownHandle`` on it; an engine that releases one of
+        them itself is forgiven the same way. ``make_room`` and ``make_host_room`` start
+        here (O(entries), on the admission path that found no room)."""
+        held = set(store.checkpoints())
+        gone = [ck for ck in self.entries if ck not in held]
+        for ck in gone:
+            self.forget(ck)
+            log.warning("retention.forgot_gone", checkpoint=ck)
+        return gone
 
     def _demote(self, store: KVStore, ck: int) -> bool:
         """Drop ``ck``'s device pages if every page has a published host replica."""
@@ -215,6 +230,7 @@ class LruRetention:
         on the device (the checkpoint stays cached there), else it is released, if that frees
         an extent (a page it holds alone). Returns "drop_host", "release" or None (nothing in
         the host tier to free)."""
+        self.forget_gone(store)
         for ck in self.victims():
             if ck == keep:
                 continue

@@ -411,3 +411,34 @@ def test_a_trim_only_cuts_a_device_resident_tail_and_needs_a_shortfall() -> None
     with pytest.raises(InvalidArgument, match="block_tokens"):
         LruRetention(block_tokens=0)
     store.close()
+
+
+def test_an_interrupted_eviction_is_healed_by_the_next_make_room() -> None:
+    """``KeyboardInterrupt`` at any line of ``make_room`` (release, then forget): the store
+    has failed (the interrupt fell inside its command), or the next ``make_room`` works and
+    the policy indexes only checkpoints the store holds. Before, an interrupt between the
+    store's release and the policy's forget left an entry for a released checkpoint, and
+    every later ``make_room`` raised ``UnknownHandle``."""
+    from tests.interrupts import Injector
+
+    def setup() -> tuple[KVStore, LruRetention]:
+        store, pol = _store(host=False), LruRetention()
+        for key in ("a", "b", "c"):
+            pol.retain(_retained(store, 64), (key,))
+        return store, pol
+
+    store, pol = setup()
+    dry = Injector(0)
+    assert dry.run(lambda: pol.make_room(store)) is None
+    stale = 0
+    for at in range(1, dry.lines + 1):
+        store, pol = setup()
+        err = Injector(at).run(lambda s=store, p=pol: p.make_room(s))
+        assert isinstance(err, KeyboardInterrupt), (at, err)
+        if store.failed is None:
+            stale += any(ck not in store.checkpoints() for ck in pol.entries)
+            assert pol.make_room(store) == "release", at
+            assert set(pol.entries) <= set(store.checkpoints()), at
+            store.check_invariants()
+        store.close()
+    assert stale, "no line between the release and the forget was tried"
