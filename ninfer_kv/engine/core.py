@@ -233,16 +233,13 @@ class StoreCore:
     def _emit(self, *events: Any) -> None:
         st = self.state
         for e in events:
-            self._applied += 1  # first: an interrupt inside apply leaves half an event
+            self._applied += 1  # first: ``command`` fails the store if apply is interrupted
             try:
                 apply(st, e)
             except Exception as exc:  # a validated event that does not apply is a bug: stop
                 self._fail(f"apply {type(e).__name__}", exc)
                 raise StoreFailed(f"event {type(e).__name__} could not be applied; the store "
                                   f"stopped: {self._failed}") from exc
-            except BaseException as exc:  # an interrupt inside apply: half an event
-                self._fail(f"apply {type(e).__name__}", exc)
-                raise
             self._pending.append(e)
 
     def _touch(self, pool: str, bundle: int, block: int) -> None:
