@@ -11,7 +11,10 @@ checkpoint (a hash collision can cost a slower lookup, never a wrong answer).
 
 Invariant: ``_holders[h_k]`` is exactly the set of indexed checkpoints whose first ``k`` blocks
 hash to ``h_k``; ``_tokens[ck]`` are the tokens ``ck`` was indexed with (at most its committed
-frontier — the engine's responsibility, checked by ``from_store``).
+frontier — the engine's responsibility, checked by ``from_store``). An ``add`` or ``remove``
+interrupted half way (Ctrl-C) may leave holders that are not indexed (not in ``_tokens``):
+a lookup that meets one answers by the exact scan, and the next ``add`` or ``remove`` of that
+checkpoint drops them.
 """
 
 from __future__ import annotations
@@ -123,21 +126,33 @@ class PrefixIndex:
         arr = _as_tokens(tokens, f"add({checkpoint})")
         if checkpoint in self._tokens:
             self.remove(checkpoint)
+        self._drop_keys(checkpoint)  # what an interrupted add or remove left
         keys = self._chain(arr)
+        self._keys[checkpoint] = keys  # first: a remove after an interrupt finds every key
         for k in keys:
             self._holders.setdefault(k, {})[checkpoint] = None
-        self._tokens[checkpoint], self._keys[checkpoint] = arr, keys
+        self._tokens[checkpoint] = arr  # last: indexed (``in``, ``len``) once whole
 
     def remove(self, checkpoint: int) -> None:
         checkpoint = as_int("checkpoint", checkpoint)
         if checkpoint not in self._tokens:
+            if checkpoint in self._keys:  # an interrupted add or remove: finish removing
+                self._drop_keys(checkpoint)
+                return
             raise UnknownHandle(f"checkpoint {checkpoint} is not in the prefix index")
-        for k in dict.fromkeys(self._keys.pop(checkpoint)):  # a chain may repeat a key
-            holders = self._holders[k]
-            del holders[checkpoint]
-            if not holders:
-                del self._holders[k]
-        del self._tokens[checkpoint]
+        del self._tokens[checkpoint]  # first: lookup skips a holder it does not know
+        self._drop_keys(checkpoint)
+
+    def _drop_keys(self, checkpoint: int) -> None:
+        """Take ``checkpoint`` out of the holders of its keys (an interrupted ``add`` or
+        ``remove`` may have left some: the next ``add`` of it drops them first)."""
+        for k in dict.fromkeys(self._keys.get(checkpoint, ())):  # a chain may repeat a key
+            holders = self._holders.get(k)
+            if holders is not None:
+                holders.pop(checkpoint, None)
+                if not holders:
+                    del self._holders[k]
+        self._keys.pop(checkpoint, None)
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> Match | None:
         """The checkpoint sharing the longest prefix with ``tokens`` (the newest one among
@@ -154,7 +169,9 @@ class PrefixIndex:
         start = k * b
         best: Match | None = None
         for ck in reversed(list(candidates)):  # newest first: it wins ties
-            t = self._tokens[ck]
+            t = self._tokens.get(ck)
+            if t is None:  # a holder an interrupted add or remove left: the walk may have
+                return self._scan(q)  # gone deeper than any indexed checkpoint, so scan
             if not np.array_equal(t[:start], q[:start]):  # a hash collision: never trusted
                 return self._scan(q)
             n = start + _common(t[start:start + b], q[start:start + b])

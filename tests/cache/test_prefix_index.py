@@ -284,3 +284,49 @@ def test_a_chain_repeating_a_key_is_removed_whole() -> None:
     idx.add(3, [1, 2, 3, 4])
     assert idx.lookup([1, 2, 3, 4]) == Match(3, 4)
     assert idx.lookup([1, 2, 5, 6, 7]) == Match(2, 4)
+
+
+def test_an_interrupted_add_or_remove_never_gives_a_wrong_answer() -> None:
+    """``KeyboardInterrupt`` at any line of ``add`` or ``remove``: every lookup still answers
+    exactly (the oracle: the longest common prefix over what is indexed), the operation then
+    runs again, and the index equals one built without the interrupt. Before, a lookup could
+    raise ``KeyError`` (a holder not yet, or no longer, in ``_tokens``), and a second
+    ``remove`` raised ``KeyError`` or left keys behind."""
+    from tests.interrupts import Injector
+
+    base = {1: [0, 0, 0, 0, 1, 1, 1, 1], 2: [0, 0, 0, 0, 2], 3: [0, 0, 0, 0, 1, 1, 1, 1, 2]}
+    queries = [[0, 0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 2, 2], [0, 0, 0, 0, 1, 1], [1]]
+
+    def built(entries: dict[int, list[int]]) -> PrefixIndex:
+        idx = PrefixIndex(block=4)
+        for ck, t in entries.items():
+            idx.add(ck, t)
+        return idx
+
+    def exact(idx: PrefixIndex, q: list[int]) -> None:
+        got = idx.lookup(q)
+        best = max((lcp(t.tolist(), q) for t in idx._tokens.values()), default=0)
+        assert (got.tokens if got else 0) == best, (q, got)
+        assert got is None or lcp(idx._tokens[got.checkpoint].tolist(), q) == got.tokens
+
+    ops = {"add": (lambda idx: idx.add(4, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]),
+                   {**base, 4: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]}),
+           "re-add": (lambda idx: idx.add(3, [0, 0, 0, 0, 2, 2]), {**base, 3: [0, 0, 0, 0, 2, 2]}),
+           "remove": (lambda idx: idx.remove(3), {k: v for k, v in base.items() if k != 3})}
+    for name, (op, after) in ops.items():
+        dry = Injector(0)
+        assert dry.run(lambda o=op: o(built(base))) is None
+        clean = built(after)
+        for at in range(1, dry.lines + 1):
+            idx = built(base)
+            err = Injector(at).run(lambda o=op, i=idx: o(i))
+            if err is None:
+                continue  # the line was in building, not in the operation
+            assert isinstance(err, KeyboardInterrupt), (name, at, err)
+            for q in queries:
+                exact(idx, q)
+            op(idx)  # again: it finishes what the interrupted one left
+            assert idx._tokens.keys() == clean._tokens.keys(), (name, at)
+            assert idx._holders == clean._holders and idx._keys == clean._keys, (name, at)
+            for q in queries:
+                exact(idx, q)
