@@ -121,12 +121,14 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
         events.extend(ev.DeviceDrop(pool, pack(slots))
                       for pool, slots in _select(store, checkpoint, can_drop_device))
     i = 0
+    transfers: list[Transfer] = []
     for pool, slots in recipe:
         offs = offsets[i:i + len(slots)]
         i += len(slots)
         events.append(ev.HostReserve(pool, pack(slots), pack_i64(offs)))
-        store._transfers.append(Transfer(pool, slots, offs, set()))
+        transfers.append(Transfer(pool, slots, offs, set()))
     store._emit(*events)
+    store._transfers.extend(transfers)  # after the events, as every command's queues
     if drop_device:  # every queued copy of its pages, this one's or an earlier offload's
         _drop_when_published(store, checkpoint)
     return len(sizes)

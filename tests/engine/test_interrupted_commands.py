@@ -28,11 +28,19 @@ from tests.engine.conftest import small_config
 from tests.interrupts import Injector, lines_to_try
 
 
-def setup(tmp: Path, checked: bool = False) -> tuple[KVStore, dict[str, int]]:
+def setup(tmp: Path, checked: bool = False, host: bool = False, growth: bool = False
+          ) -> tuple[KVStore, dict[str, int]]:
     """A store with a retained 100-token checkpoint and an active sequence mapped to 100
     tokens and committed to a page edge (64), all published; in checked mode both layers
-    wrote what is committed and the active sequence's tokens up to 100 (a commit to 90)."""
-    s = KVStore.open(small_config(tmp, checked=checked))
+    wrote what is committed and the active sequence's tokens up to 100 (a commit to 90);
+    with a host tier a second checkpoint offloaded and published ("ck2"); with lease growth
+    the active sequence entitled to less than its budget."""
+    kw: dict[str, Any] = {"checked": checked}
+    if host:
+        kw.update(host_bytes=8 << 20, persist_dir=str(tmp / "persist"))
+    if growth:
+        kw.update(lease_growth=True, lease_window=64, lease_cushion=0)
+    s = KVStore.open(small_config(tmp, **kw))
 
     def wrote(seq: int, lo: int, hi: int) -> None:  # both layers (checked mode's ledger)
         if checked:
@@ -53,7 +61,18 @@ def setup(tmp: Path, checked: bool = False) -> tuple[KVStore, dict[str, int]]:
     s.commit(a, "main", 64)
     with s.boundary():
         pass
-    return s, {"ck": ck, "a": a}
+    handles = {"ck": ck, "a": a}
+    if host:
+        b = s.activate(64, 10)
+        s.ensure_mapped(b, "main", 64)
+        with s.boundary():
+            pass
+        s.commit(b, "main", 64)
+        handles["ck2"] = ck2 = s.finish(b, retain=True)
+        s.offload(ck2)
+        with s.boundary():
+            pass
+    return s, handles
 
 
 COMMANDS: dict[str, Callable[[KVStore, dict[str, int]], Any]] = {
@@ -76,6 +95,11 @@ COMMANDS: dict[str, Callable[[KVStore, dict[str, int]], Any]] = {
     "set_metadata": lambda s, h: s.set_metadata(h["ck"], {"tokens": [1, 2, 3]}),
     "commit_many (checked mode)": lambda s, h: s.commit_many("main", [h["a"]], [90]),
     "truncate (checked mode)": lambda s, h: s.truncate(h["a"], "main", 10),
+    "offload (host tier)": lambda s, h: s.offload(h["ck"]),
+    "offload, drop_device (host tier)": lambda s, h: s.offload(h["ck"], drop_device=True),
+    "drop_device (host tier)": lambda s, h: s.drop_device(h["ck2"]),
+    "drop_host (host tier)": lambda s, h: s.drop_host(h["ck2"]),
+    "grow (lease growth)": lambda s, h: s.grow(100),
 }
 
 
@@ -83,7 +107,8 @@ def run(name: str, tmp: Path, at: int
         ) -> tuple[KVStore, str, dict[Any, set[int]], Injector, BaseException | None]:
     """Command ``name`` on a fresh ``setup`` with an interrupt at line ``at`` (0: none):
     (store, digest before, checked mode's writes before, the injector, what it raised)."""
-    s, h = setup(tmp, checked="checked mode" in name)
+    s, h = setup(tmp, checked="checked mode" in name, host="host tier" in name,
+                 growth="lease growth" in name)
     before = s.digest()
     written = {k: set(v) for k, v in s._written.items()}
     inj = Injector(at)
