@@ -75,13 +75,15 @@ def _drop_inherited_locks() -> None:
     """In a forked child: close the inherited lock descriptors, so that the parent's close
     (or death) releases its lock whatever the child does."""
     for lk in list(_LIVE):
-        if lk._fd is not None:
-            lk._closer.detach()  # the child closes its copy now, never again at collection
+        # the finalizer's own descriptor, not ``_fd``: a release interrupted after its
+        # finalizer ran leaves ``_fd`` naming a number the parent may have reused since
+        held = lk._closer.detach()  # the child closes its copy now, never again at collection
+        if held is not None:
             try:
-                os.close(lk._fd)
+                os.close(held[2][0])
             except OSError:
                 pass
-            lk._fd = None
+        lk._fd = None
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)

@@ -90,3 +90,31 @@ def test_a_failed_rotation_still_releases_the_lock(tmp_path: Path) -> None:
         j.write_snapshot(b"state")  # the snapshot ends the segment; the next is not created
     j.close()
     Journal.open(str(tmp_path), CODEC).close()
+
+
+def test_a_fork_after_an_interrupted_release_closes_no_other_file(tmp_path: Path) -> None:
+    """``DirLock.release`` interrupted after its finalizer closed the lock and before it
+    cleared ``_fd``, then a fork: the child's at-fork hook closed whatever file the parent
+    had opened under that number since (review finding). It now closes only a descriptor
+    whose finalizer has not run."""
+    import os
+
+    from ninfer_kv.journal.lock import DirLock
+
+    lk = DirLock(str(tmp_path))
+    lk._closer()  # what release() had done when the interrupt came
+    other = os.open(tmp_path / "other", os.O_CREAT | os.O_RDWR)  # may reuse the number
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: is the parent's other file still open here?
+        try:
+            os.fstat(other)
+            os.write(w, b"open")
+        except OSError:
+            os.write(w, b"closed")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 16) == b"open"
+    for fd in (r, w, other):
+        os.close(fd)
+    lk.release()
