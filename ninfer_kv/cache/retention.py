@@ -65,6 +65,8 @@ class LruRetention:
         self.block_tokens = None if block_tokens is None else as_int("block_tokens",
                                                                      block_tokens, lo=1)
         self.renamed: dict[int, int] = {}  # a trimmed checkpoint -> the one holding its prefix
+        # a trim the store may have carried out and the policy not yet followed (_trim)
+        self._trimming: tuple[int, int, int, Entry, list[int]] | None = None
         self._tick = 0
 
     def __len__(self) -> int:
@@ -88,18 +90,22 @@ class LruRetention:
             self.by_block.setdefault(h, set()).add(ck)
 
     def forget(self, ck: int) -> None:
-        e = self.entries.pop(ck)
-        if e.parent is not None and e.parent in self.entries:
-            self.entries[e.parent].children -= 1
-        for c in self.entries.values():   # its children become roots
-            if c.parent == ck:
-                c.parent = None
+        """Drop ``ck`` from the index: its keys first and its entry last, so every key's
+        holders stay indexed entries even when an interrupt stops it half way (the next
+        ``forget`` of ``ck`` finishes; a parent's child count may then stay one high)."""
+        e = self.entries[ck]
         for h in e.key:
             s = self.by_block.get(h)
             if s is not None:
                 s.discard(ck)
                 if not s:
                     del self.by_block[h]
+        for c in self.entries.values():   # its children become roots
+            if c.parent == ck:
+                c.parent = None
+        del self.entries[ck]
+        if e.parent is not None and e.parent in self.entries:
+            self.entries[e.parent].children -= 1
 
     def lookup(self, key: Sequence[Hashable]) -> tuple[int | None, int]:
         """(checkpoint, matched blocks) with the longest common prefix of ``key``; the most
@@ -172,8 +178,10 @@ class LruRetention:
         policy releases first and forgets after, so an interrupt between the two (Ctrl-C,
         a signal handler's ``SystemExit``) left an entry for a released checkpoint and every
         later ``make_room`` raised ``UnknownHandle`` on it; an engine that releases one of
-        them itself is forgiven the same way. ``make_room`` and ``make_host_room`` start
-        here (O(entries), on the admission path that found no room)."""
+        them itself is forgiven the same way, and a tail trim interrupted the same way is
+        settled first (``_settle_trim``). ``make_room`` and ``make_host_room`` start here
+        (O(entries), on the admission path that found no room)."""
+        self._settle_trim(store)
         held = set(store.checkpoints())
         gone = [ck for ck in self.entries if ck not in held]
         for ck in gone:
@@ -202,21 +210,46 @@ class LruRetention:
         keep = -(-blocks * bt // P)                               # the pages those blocks span
         if blocks == 0:
             return self._release(store, ck)
-        new = store.release_tail(ck, keep * P)  # first: a refusal leaves the policy as it was
-        assert new is not None
         e = self.entries[ck]
         kids = [c for c, x in self.entries.items() if x.parent == ck]
-        self.forget(ck)
-        self.entries[new] = Entry(e.key[:blocks], e.parent, e.used, len(kids), e.demoted)
-        for c in kids:        # they continue from its prefix: it still outlives them
-            self.entries[c].parent = new
-        if e.parent is not None and e.parent in self.entries:
-            self.entries[e.parent].children += 1
-        for h in e.key[:blocks]:
-            self.by_block.setdefault(h, set()).add(new)
-        self.renamed[ck] = new
+        # the store first (a refusal leaves the policy as it was), then the policy follows;
+        # the plan is kept until it has, so an interrupt in between is settled later
+        self._trimming = (ck, store.state.next_bundle, blocks, e, kids)
+        new = store.release_tail(ck, keep * P)
+        assert new == self._trimming[1]
+        self._settle_trim(store)
         log.debug("retention.trim", checkpoint=ck, kept=new, pages=keep)
         return "trim"
+
+    def _settle_trim(self, store: KVStore) -> None:
+        """Make the policy follow a ``_trim`` the store carried out: ``ck`` is forgotten and
+        the checkpoint ``release_tail`` made holds its first blocks (``renamed[ck]``), its
+        children continuing from it. Each step checks whether it is done, so a settling
+        interrupted half way is finished by the next call (``forget_gone``); a trim the store
+        did not carry out (refused, or interrupted before) is dropped."""
+        t = self._trimming
+        if t is None:
+            return
+        ck, new, blocks, e, kids = t
+        held = set(store.checkpoints())
+        if ck in held or new not in held:  # not carried out, or both released since
+            self._trimming = None
+            return
+        if ck in self.entries:
+            self.forget(ck)
+        if new not in self.entries:
+            parent = e.parent if e.parent in self.entries else None
+            self.entries[new] = Entry(e.key[:blocks], parent, e.used, 0, e.demoted)
+            if parent is not None:
+                self.entries[parent].children += 1
+        for h in e.key[:blocks]:
+            self.by_block.setdefault(h, set()).add(new)
+        for c in kids:        # they continue from its prefix: it still outlives them
+            if c in self.entries:
+                self.entries[c].parent = new
+        self.entries[new].children = sum(x.parent == new for x in self.entries.values())
+        self.renamed[ck] = new
+        self._trimming = None
 
     def _release(self, store: KVStore, ck: int) -> str:
         store.release(ck)  # first: a refusal (e.g. FrozenUnit) leaves the policy as it was

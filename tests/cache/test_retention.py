@@ -442,3 +442,51 @@ def test_an_interrupted_eviction_is_healed_by_the_next_make_room() -> None:
             store.check_invariants()
         store.close()
     assert stale, "no line between the release and the forget was tried"
+
+
+def test_an_interrupted_tail_trim_is_settled_by_the_next_make_room() -> None:
+    """``KeyboardInterrupt`` at any line of a tail-first ``make_room(store, short)``: the store
+    failed, or the next ``make_room`` settles the policy — the trimmed checkpoint's prefix is
+    findable under its new id, its child continues from it, and the policy indexes only what
+    the store holds — as an uninterrupted trim leaves it. Before, the new checkpoint was never
+    indexed: its prefix unfindable and its pages never freed by the policy (review finding)."""
+    from tests.interrupts import Injector
+
+    def setup() -> tuple[KVStore, LruRetention, dict[str, int]]:
+        prio: dict[int, int] = {}
+        store = _store(host=False)
+        pol = LruRetention(priority=lambda c: prio.get(c, 0), block_tokens=64)
+        ck = _retained(store, 4 * 64 - 1)
+        pol.retain(ck, ("a", "b", "c", "d"))
+        child = _retained(store, 64)
+        pol.retain(child, ("x",), parent=ck)
+        prio[child] = 1  # the parent is the victim
+        return store, pol, {"ck": ck, "child": child}
+
+    store, pol, h = setup()
+    dry = Injector(0)
+    assert dry.run(lambda: pol.make_room(store, short=1)) is None
+    new = pol.renamed[h["ck"]]
+    want = (pol.lookup(("a", "b", "c", "d")), pol.entries[h["child"]].parent,
+            pol.entries[new].children)
+    settled = 0
+    for at in range(1, dry.lines + 1):
+        store, pol, h = setup()
+        err = Injector(at).run(lambda s=store, p=pol: p.make_room(s, short=1))
+        assert isinstance(err, KeyboardInterrupt), (at, err)
+        if store.failed is not None:
+            store.close()
+            continue
+        trimmed = h["ck"] not in store.checkpoints()
+        if trimmed:  # the store carried it out: the policy follows at the next make_room
+            settled += 1
+            pol.forget_gone(store)
+            assert (pol.lookup(("a", "b", "c", "d")), pol.entries[h["child"]].parent,
+                    pol.entries[new].children) == want, at
+            assert pol.renamed == {h["ck"]: new}, at
+        else:
+            assert pol.make_room(store, short=1) == "trim", at
+        assert set(pol.entries) <= set(store.checkpoints()), at
+        store.check_invariants()
+        store.close()
+    assert settled, "no line after the store's release_tail was tried"
