@@ -490,3 +490,22 @@ def test_an_interrupted_tail_trim_is_settled_by_the_next_make_room() -> None:
         store.check_invariants()
         store.close()
     assert settled, "no line after the store's release_tail was tried"
+
+
+def test_a_checkpoint_the_engine_released_itself_is_forgotten_not_fatal() -> None:
+    """An indexed checkpoint released behind the policy's back (by the engine, or by an
+    eviction interrupted before its forget): ``make_room`` and ``make_host_room`` forget it
+    and go on, where they raised ``UnknownHandle`` on it."""
+    for room in ("make_room", "make_host_room"):
+        store, pol = _store(host=True), LruRetention()
+        gone, kept = _retained(store, 64), _retained(store, 64)
+        pol.retain(gone, ("a",))
+        pol.retain(kept, ("b",))
+        store.offload(kept)
+        with store.boundary():
+            pass
+        store.release(gone)
+        assert getattr(pol, room)(store) in ("demote", "release", "drop_host"), room
+        assert gone not in pol.entries and pol.lookup(("a",)) == (None, 0), room
+        store.check_invariants()
+        store.close()
