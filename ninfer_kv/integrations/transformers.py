@@ -303,10 +303,10 @@ class _Unit:
     """One forward's plan: the real tokens of each row, flattened in row order."""
 
     def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
-                 positions: torch.Tensor, cu: torch.Tensor, start: torch.Tensor,
-                 end: torch.Tensor, active: torch.Tensor) -> None:
+                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
+                 active: torch.Tensor) -> None:
         self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
-        self.cu, self.start, self.end, self.active = cu, start, end, active
+        self.cu, self.end, self.active = cu, end, active
 
     @classmethod
     def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
@@ -318,8 +318,8 @@ class _Unit:
         active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
         cu = torch.zeros(len(active) + 1, dtype=torch.int32)
         cu[1:] = counts[active].cumsum(0)
-        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, start,
-                   end, active)
+        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, end,
+                   active)
 
     def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
