@@ -380,7 +380,7 @@ class StoreCore:
 
 class _Boundary:
     """``StoreCore.boundary``'s context manager: a class, not a generator, since it runs in
-    every decode round (``contextlib.contextmanager`` costs a generator and ~3 µs more)."""
+    every decode round (``contextlib.contextmanager`` cost 2 µs more a boundary here)."""
 
     __slots__ = ("_store",)
 
