@@ -170,3 +170,23 @@ def test_a_dflash_sequence_forks_at_each_pools_own_frontier(tmp_path: Path) -> N
     digest = s.digest()
     s.close()
     assert replay(str(tmp_path / "journal"), verify_every=1).digest == digest
+
+
+@pytest.mark.parametrize("frontier", [640, 650])
+def test_a_truncate_of_the_pinned_tail_says_the_boundary_frees_it(tmp_path: Path,
+                                                                   frontier: int) -> None:
+    """Until the boundary runs the child's tail copy, the owner's tail page is pinned: a
+    truncate that would rewrite it is refused, saying why and when that ends (a typed
+    refusal naming only §9.4's writer rule sent engine authors looking for a sharing bug);
+    after the boundary the same truncate goes through."""
+    s = KVStore.open(small_config(tmp_path, pages=40))
+    owner = running(s, 700, 100)
+    s.fork_live(owner, 50)                 # at 700: the tail page (block 10) is copied
+    digest = s.digest()
+    with pytest.raises(WritePermissionError, match="pinned by a copy.*next boundary"):
+        s.truncate(owner, "main", frontier)
+    assert s.digest() == digest
+    step(s)
+    s.truncate(owner, "main", frontier)
+    step(s)
+    s.check_invariants()
