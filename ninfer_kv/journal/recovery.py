@@ -168,12 +168,10 @@ def scan(directory: str, *, schema_major: int, fs: FileSystem = OS_FS, repair: b
     for idx, (num, path) in enumerate(segs):
         data = read_file(fs, path)
         hdr = SegmentHeader.parse(data)
-        is_last = idx == len(segs) - 1
         if isinstance(hdr, str):
-            if is_last and len(data) <= SEG_HEADER_SIZE:
-                res.cuts.append(Cut(num, 0, len(data), f"torn segment creation: {hdr}"))
-                res.repairs.append(("remove", path, 0))
-                break
+            # never a torn creation, even when it is the last segment and shorter than a
+            # header: a segment gets its final name only after its header was fsynced
+            # (docs/journal-format.md), so a bad header under that name is damage
             if salvage:
                 _salvage_from(res, segs[idx:], hdr, fs)
                 break

@@ -396,3 +396,27 @@ def test_salvage_cuts_at_a_damaged_segment_header_or_a_gap(damage: str) -> None:
     assert j.last_seq == last and j.append(batch(last + 1)) == last + 1
     j.close()
     assert JournalReader(D, fs=fs).last_seq == last + 1  # a sound log again, no salvage
+
+
+@pytest.mark.parametrize("size", [0, 20, SEG_HEADER_SIZE - 1, SEG_HEADER_SIZE])
+def test_a_last_segment_cut_into_its_header_is_damage_not_a_torn_creation(size: int) -> None:
+    """Review finding: the last segment cut to at most a header's length was dropped as a
+    "torn segment creation", with every acknowledged record in it — but a segment gets its
+    final name only after its header was fsynced (docs/journal-format.md), so no crash leaves
+    that. It is refused like any damaged header; salvage cuts it and keeps the segments
+    before it."""
+    fs = CrashFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    j.close()
+    segs = sorted(p for p in fs.files if p.endswith(".log"))
+    first_of_last = JournalReader(D, fs=fs).scan.segments[-1].header.first_seq
+    node = fs.files[segs[-1]]
+    node.durable = node.durable[:size]
+    if size == SEG_HEADER_SIZE:
+        node.durable[36] ^= 1  # a whole header, its CRC broken
+    with pytest.raises(JournalCorrupt, match=f"segment {len(segs)}"):
+        JournalReader(D, fs=fs)
+    with pytest.raises(JournalCorrupt):
+        Journal.open(D, CODEC, JournalOptions(), fs=fs)
+    kept = JournalReader(D, fs=fs, salvage=True)
+    assert kept.last_seq == first_of_last - 1 and kept.scan.salvaged
