@@ -6,6 +6,7 @@ FaultInjectionTestFS) that keeps, drops or garbles every write not yet fsynced.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Protocol
 
@@ -71,6 +72,16 @@ def open_private(path: str, flags: int) -> int:
     return fd
 
 
+def cannot_read(path: str, exc: OSError) -> str:
+    """One line for a journal file that could not be read: the path, the OS's reason, and
+    for a symlink (``O_NOFOLLOW``'s ``ELOOP``) that journal files are never opened through
+    one."""
+    why = f"cannot read {exc.filename or path}: {exc.strerror or exc}"
+    if exc.errno == errno.ELOOP:
+        why += " (journal files are never opened through a symlink)"
+    return why
+
+
 def secure_makedirs(directory: str) -> None:
     """Create ``directory`` (and missing parents) 0700 regardless of umask; an existing
     directory keeps its mode (it is the caller's)."""
@@ -120,8 +131,13 @@ class OsFS:
     def read(self, path: str, limit: int = -1) -> bytes:
         """The file's bytes; with ``limit`` >= 0 at most that many from its start."""
         fd = open_private(path, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            return f.read(limit)
+        try:  # fdopen refuses a directory without closing the descriptor: closed here
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read(limit)
+        except OSError as exc:  # its error names the descriptor: say which file
+            raise OSError(exc.errno, exc.strerror, path) from None
+        finally:
+            os.close(fd)
 
     def create(self, path: str) -> WritableFile:
         return _OsFile(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0)

@@ -19,7 +19,7 @@ import structlog
 
 from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
 from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
-from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile
+from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, cannot_read
 from ninfer_kv.journal.recovery import (
     ScanResult,
     iter_frames,
@@ -108,9 +108,7 @@ def capture(directory: str, fs: FileSystem = OS_FS,
             log.debug("journal.reader.retry", attempt=attempt, vanished=exc.filename)
             continue
         except OSError as exc:
-            raise JournalError(f"cannot read {exc.filename or directory}: "
-                               f"{exc.strerror or exc} (journal files are never opened "
-                               "through a symlink)") from None
+            raise JournalError(cannot_read(directory, exc)) from None
         now = list_snapshots(directory, fs)
         if (now[-1] in snaps) if now else not snaps:
             return FrozenDir(directory, files)

@@ -25,7 +25,7 @@ from ninfer_kv.journal.format import (
     parse_snapshot,
 )
 from ninfer_kv.journal.frames import FrameTable, scan_frames
-from ninfer_kv.journal.fs import OS_FS, FileSystem
+from ninfer_kv.journal.fs import OS_FS, FileSystem, cannot_read
 
 log = structlog.get_logger(__name__)
 
@@ -137,8 +137,7 @@ def read_file(fs: FileSystem, path: str, limit: int = -1) -> bytes:
     try:
         return fs.read(path, limit)
     except OSError as exc:
-        raise JournalError(f"cannot read {path}: {exc.strerror or exc} (journal files are "
-                           "never opened through a symlink)") from None
+        raise JournalError(cannot_read(path, exc)) from None
 
 
 def apply_repairs(res: ScanResult, fs: FileSystem = OS_FS) -> None:

@@ -8,6 +8,8 @@ Each test runs the writer at one chosen point inside the reader's reads (``Racin
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -174,6 +176,30 @@ def test_a_symlinked_segment_is_refused_not_retried(live: Live, tmp_path: Path) 
     os.symlink(tmp_path / "elsewhere.log", seg)
     with pytest.raises(JournalError, match="never opened through a symlink"):
         JournalReader(live.dir)
+
+
+@pytest.mark.parametrize("name", ["seg-00000001.log", "snap-00000009.snap"])
+def test_a_directory_under_a_journal_files_name_is_named(tmp_path: Path, name: str) -> None:
+    """Review finding: a directory under a segment's or snapshot's name was reported as
+    "cannot read 3: Is a directory (journal files are never opened through a symlink)" —
+    the descriptor, not the path, and a symlink that is not there. The error names the
+    file and the OS's reason only (and closes the descriptor it opened, which leaked); the
+    CLI prints it on one line, exit status 2."""
+    d = tmp_path / "journal"
+    d.mkdir()
+    if name.startswith("snap"):
+        os.mkdir(d / "seg-00000001.log")  # a segment is needed for a journal at all
+    os.mkdir(d / name)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(JournalError) as got:
+        JournalReader(str(d))
+    assert len(os.listdir("/proc/self/fd")) == fds  # the directory's descriptor was closed
+    msg = str(got.value)
+    assert "Is a directory" in msg and str(d) in msg and "symlink" not in msg, msg
+    run = subprocess.run([sys.executable, "-m", "ninfer_kv.tools.cli", "replay", str(d)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "Is a directory" in run.stderr and "symlink" not in run.stderr, run.stderr
 
 
 
