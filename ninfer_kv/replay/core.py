@@ -12,7 +12,13 @@ from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.incremental import IncrementalChecker
 from ninfer_kv.engine.invariants import load_snapshot, violations
 from ninfer_kv.engine.state import StoreState, digest, to_snapshot
-from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, JournalError, UnappliableRecord
+from ninfer_kv.errors import (
+    APPLY_ERRORS,
+    InvalidArgument,
+    JournalCorrupt,
+    JournalError,
+    UnappliableRecord,
+)
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.restore import usable_snapshots
 
@@ -94,10 +100,10 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
         if isinstance(cand, str):
             why.append(cand)
             continue
-        if until is not None and cand.seq > until:
-            raise JournalCorrupt(res.segments[0].number, 0, f"record {until} lies before the "
-                                 f"oldest state this journal still holds (snapshot at "
-                                 f"{cand.seq}; the log starts at {res.first_seq})")
+        if until is not None and cand.seq > until:  # the caller's request, not damage
+            raise InvalidArgument(f"record {until} lies before the oldest state this journal "
+                                  f"still holds (snapshot at {cand.seq}; the log read starts "
+                                  f"at {res.first_seq})")
         try:
             st = load_snapshot(cand.payload)
         except Exception as exc:  # a payload that does not decode, or breaks §14: untrusted

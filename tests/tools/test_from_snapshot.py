@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import JournalCorrupt
+from ninfer_kv.errors import InvalidArgument, JournalCorrupt
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.restore import snapshot_segment
+from ninfer_kv.replay import replay
 from ninfer_kv.tools.cli import main
 from tests.engine.conftest import small_config
 
@@ -108,3 +109,23 @@ def test_damage_past_the_snapshot_is_refused_either_way(tmp_path: Path) -> None:
         JournalReader(str(j), from_snapshot=True)
     with pytest.raises(JournalCorrupt):
         KVStore.open(small_config(tmp_path, segment_bytes=1024))
+
+
+def test_a_record_before_the_oldest_state_read_is_the_callers_request(
+        covered: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Review finding: asking for a record the read starts after (--from-snapshot skips the
+    records the snapshot covers) was reported as ``JournalCorrupt`` of an intact view: it
+    is an out-of-range argument, ``InvalidArgument`` naming the record and the snapshot."""
+    j, _ = covered
+    reader = JournalReader(j, from_snapshot=True)
+    first = reader.scan.first_seq
+    assert first > 3
+    with pytest.raises(InvalidArgument, match="record 3 lies before the oldest state"):
+        replay(reader, until_record=3)
+    assert replay(reader, until_record=first).state.seq == first
+    for cmd in (["inspect", j, "--from-snapshot", "--at", "3"],
+                ["replay", j, "--from-snapshot", "--until", "3"]):
+        code, _, err = run(capsys, *cmd)
+        lines = [x for x in err.splitlines() if x.strip() and "[warning" not in x]
+        assert code == 2 and len(lines) == 1 and "InvalidArgument" in lines[0], err
+        assert "corrupt" not in lines[0], err
