@@ -87,8 +87,8 @@ def replay_start(reader: JournalReader, until: int | None = None) -> tuple[Store
     """(state, first record to apply). From the empty state when the log starts at record 1;
     when it does not (compacted, or its first segment is gone), from the oldest snapshot on
     the log's CRC chain (``usable_snapshots``) — replay then checks every record after it.
-    Raises ``JournalCorrupt`` when no snapshot covers the missing records, or ``until`` lies
-    before the first state the journal can show."""
+    Raises ``JournalCorrupt`` when no snapshot covers the missing records, and
+    ``InvalidArgument`` when ``until`` lies before the first state the journal can show."""
     res = reader.scan
     if res.first_seq == 1:
         return StoreState(), 1
