@@ -43,7 +43,9 @@ class Swapped:
 def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
     """Preempt active sequence ``seq`` whose request may reach ``budget`` tokens (prompt +
     max output). Refusals (unknown or inactive ``seq``, a budget not above its frontier or
-    above S) change nothing."""
+    above S) change nothing. The checkpoint keeps the sequence's id (``finish`` retains it
+    in place), so an engine interrupted before this returns loses nothing: the checkpoint
+    is ``seq``, its frontiers are ``store.space(seq, pool).committed``."""
     seq = as_int("seq", seq)
     budget = as_int("budget", budget)
     frontier = {pool: store.space(seq, pool).committed for pool in store.pools}

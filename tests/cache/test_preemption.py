@@ -75,6 +75,9 @@ def test_without_a_host_tier_swap_in_is_a_move(tmp_path: Path) -> None:
     members = s.space(a).members
     sw = swap_out(s, a, 800)
     assert not sw.offloaded
+    # the checkpoint keeps the sequence's id (swap_out's docstring: an engine interrupted
+    # before swap_out returns still knows it)
+    assert sw.checkpoint == a and sw.frontier == {"main": s.space(a).committed}
     step(s)
     copies = s.stats["cow_copies"]
     seq = swap_in(s, sw)
