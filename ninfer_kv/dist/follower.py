@@ -34,11 +34,12 @@ from ninfer_kv.dist.stream import (
     encode_ack,
 )
 from ninfer_kv.engine import host
-from ninfer_kv.engine.capacity import geometry_mismatch
+from ninfer_kv.engine.capacity import GEOMETRY_KEYS, geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot
+from ninfer_kv.engine.opening import pool_specs
 from ninfer_kv.engine.state import digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, InvalidArgument, KVStoreError, StoreClosed
@@ -51,7 +52,6 @@ log = structlog.get_logger(__name__)
 
 HOST_COPIES = (ev.HostReserve, ev.DeviceRestore, ev.HostPublish)
 """Events whose effect is a copy between this rank's planes and its host arena."""
-
 
 
 # --- follower ---------------------------------------------------------------------------------
@@ -117,16 +117,18 @@ class Follower:
             raise ConfigError("a standby (a config with persist_dir or journal_dir) needs ack=, "
                               "the function that acknowledges durable records to the leader; "
                               "a follower without directories takes no ack")
-        plan = config.plan()
-        differ = geometry_mismatch(h.plan, plan.to_dict())
-        if differ or not h.plan:
-            raise PlanMismatch("the leader's capacity plan differs from this follower's "
-                               "(every TP rank opens the same shard_config; §3.3): "
-                               + ("; ".join(differ) if differ else "leader has no plan"))
         try:  # judged as open judges a snapshot: it decodes, and passes §14
             state = load_snapshot(h.state)
         except Exception as exc:  # noqa: BLE001 - any undecodable or broken state is refused
             raise RecordRefused(f"hello state does not decode or breaks §14: {exc}") from None
+        specs = pool_specs(plan := config.plan())  # what page ids index; a key missing: foreign
+        differ = [*geometry_mismatch(h.plan, plan.to_dict()),
+                  *(f"{k}: missing from the leader's plan" for k in GEOMETRY_KEYS if k not in h.plan),
+                  *([f"pools: leader {state.pool_specs} != {specs}"] if state.pool_specs != specs else [])]
+        if differ:
+            raise PlanMismatch("the leader's capacity plan differs from this follower's "
+                               "(every TP rank opens the same shard_config; §3.3): "
+                               + "; ".join(differ))
         if digest(state) != h.digest or state.seq != h.seq:
             raise RecordRefused(f"hello state at seq {state.seq} has digest {digest(state)}, "
                                 f"the leader announced {h.digest} at seq {h.seq}")

@@ -105,6 +105,13 @@ def _check_arena(state: StoreState, arena_path: str, jdir: str | None) -> str | 
     return mine
 
 
+def pool_specs(plan: CapacityPlan) -> list[ev.PoolSpec]:
+    """The pools ``plan`` lays out, as its journal's Configure records them: a journal (or a
+    leader's state) with other specs holds another layout's pages."""
+    return [ev.PoolSpec(kind.value, g.capacity, plan.C, plan.L, g.page_bytes)
+            for kind, g in plan.layout.pools.items()]
+
+
 def _apply_record(st: StoreState, seq: int, payload: memoryview) -> None:
     for e in CODEC.decode(payload):
         apply(st, e)
@@ -170,8 +177,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
     plan = config.plan()
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={config.device!r}: torch sees no CUDA device here")
-    specs = [ev.PoolSpec(kind.value, g.capacity, plan.C, plan.L, g.page_bytes)
-             for kind, g in plan.layout.pools.items()]
+    specs = pool_specs(plan)
     for name, d in (("persist_dir", config.persist_dir), ("journal_dir", config.journal_path)):
         if d is not None:
             _check_dir(name, d)

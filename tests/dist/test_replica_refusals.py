@@ -18,7 +18,7 @@ from ninfer_kv.dist import (
     ReplicaError,
     shard_config,
 )
-from ninfer_kv.dist.stream import MSG_MAGIC, decode_message
+from ninfer_kv.dist.stream import MSG_MAGIC, decode_hello, decode_message, encode_hello
 from tests.dist import workers as w
 from tests.interrupts import Injector, lines_to_try
 
@@ -75,6 +75,27 @@ def test_leader_with_another_plan_is_refused() -> None:
         Follower.from_hello(w.config(), sent[0])  # a follower that was not sharded
     with pytest.raises(PlanMismatch, match=r"M: journal 16 != config 8"):
         Follower.from_hello(shard_config(w.config(), 2, kv_tokens=8 * 64), sent[0])
+    store.close()
+
+
+@pytest.mark.parametrize("plan", [{}, {"version": 1}, "match"])
+def test_a_hello_whose_plan_hides_the_geometry_is_refused(plan: object) -> None:
+    """Review finding: the plan check compared only the keys both plans record, so a hello
+    (CRC valid) whose plan left them out let a follower of 8 page groups join a leader of
+    16 and write its page ids past its planes. Every geometry key must be there, and the
+    pools the leader's state was configured with must be the follower's ("match": the
+    follower's own plan in the hello, the leader's state behind it)."""
+    sent: list[bytes] = []
+    store = KVStore.open(shard_config(w.config(), 2))
+    Leader(store, sent.append)
+    small = shard_config(w.config(), 2, kv_tokens=8 * 64)
+    h = decode_hello(sent[0])
+    if plan == "match":
+        plan = small.plan().to_dict()
+    forged = encode_hello(msgspec.structs.replace(h, plan=plan))
+    with pytest.raises(PlanMismatch, match="missing from the leader's plan|pools: leader"):
+        Follower.from_hello(small, forged)
+    assert Follower.from_hello(shard_config(w.config(), 2), sent[0]).seq == h.seq
     store.close()
 
 
