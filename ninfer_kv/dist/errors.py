@@ -56,8 +56,10 @@ class TransferRefused(TransferError):
 
 
 class TransferCorrupt(TransferError):
-    """Bytes arrived whose per-page CRC-32C differs from the sender's: the checkpoint is not
-    published (§5.3: verify before publish) and its pages are freed."""
+    """Bytes arrived whose per-page CRC-32C differs from the sender's (on the receiver), or a
+    page the sender reads from its host replica fails the replica's published CRC (on the
+    sender): the checkpoint is not published (§5.3: verify before publish) and the
+    receiver's pages are freed."""
 
 
 class TransferAborted(TransferError):

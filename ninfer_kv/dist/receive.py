@@ -30,10 +30,11 @@ from ninfer_kv.dist.transfer import (
     recv_control,
 )
 from ninfer_kv.dist.wire import wire_device
-from ninfer_kv.engine.args import as_int
+from ninfer_kv.engine.args import as_int, finish_reason
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import KVStoreError, StoreClosed
+from ninfer_kv.errors import InvalidArgument, KVStoreError, StoreClosed
+from ninfer_kv.journal import events as ev
 
 log = structlog.get_logger(__name__)
 
@@ -53,10 +54,18 @@ def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
                               f"reason={h.get('reason')!r}, meta of type "
                               f"{type(h.get('meta')).__name__}: an int, a str or nil, bytes")
     if h.get("meta"):
-        try:
-            msgspec.msgpack.decode(h["meta"])
+        try:  # as _publish's set_metadata will encode it again
+            size = len(msgspec.msgpack.encode(msgspec.msgpack.decode(h["meta"])))
         except msgspec.DecodeError as exc:
             raise TransferRefused(f"header metadata does not decode ({exc})") from None
+        if size > ev.METADATA_MAX:
+            raise TransferRefused(f"header metadata of {size} bytes > METADATA_MAX="
+                                  f"{ev.METADATA_MAX}")
+    if h.get("reason") is not None:  # as _publish's finish will journal it
+        try:
+            finish_reason(h["reason"])
+        except InvalidArgument as exc:
+            raise TransferRefused(f"header reason refused: {exc}") from None
     mine = layout_of(store)
     differ = [f"{k}: sender {h['layout'].get(k)!r} != receiver {mine[k]!r}" for k in mine
               if h["layout"].get(k) != mine[k]]

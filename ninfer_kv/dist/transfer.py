@@ -44,7 +44,6 @@ import msgspec
 import structlog
 import torch
 import torch.distributed as dist
-from crc32c import crc32c
 
 from ninfer_kv.dist.errors import TransferAborted, TransferCorrupt, TransferRefused
 from ninfer_kv.dist.packing import crcs, direct, gather, stage
@@ -230,6 +229,9 @@ def export(store: KVStore, checkpoint: int, dst: int, *, group: Any = None,
         if failed is not None:
             with contextlib.suppress(KVStoreError):
                 _recv_status(dst, group, "checkpoint")  # the receiver's "aborted"
+            if isinstance(failed, TransferCorrupt):  # a rotted host replica: said as such
+                raise TransferCorrupt(f"export of checkpoint {ck} to rank {dst}, nothing "
+                                      f"published: {failed}") from failed
             raise TransferAborted(f"export of checkpoint {ck} to rank {dst} failed on this "
                                   f"side mid-transfer, nothing published: "
                                   f"{type(failed).__name__}: {failed}") from failed

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_kv.errors import InvalidArgument
+from ninfer_kv.journal.events import REASON_MAX
 
 _BOOLS = (bool, np.bool_)
 
@@ -109,3 +110,18 @@ def one_of(name: str, value: Any, allowed: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise InvalidArgument(f"{name}={value!r}: must be one of {', '.join(allowed)}")
     return value
+
+
+def finish_reason(reason: Any) -> str:
+    """``reason`` as a finish journals it: an exact ``str`` (a subclass such as numpy.str_
+    would not encode, nor digest, at the boundary), valid UTF-8, at most ``REASON_MAX``
+    bytes — refused now, not there."""
+    if type(reason) is not str:
+        raise InvalidArgument(f"finish: reason={reason!r} must be a str")
+    try:
+        size = len(reason.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
+    if size > REASON_MAX:
+        raise InvalidArgument(f"finish: a reason of {size} UTF-8 bytes > REASON_MAX={REASON_MAX}")
+    return reason

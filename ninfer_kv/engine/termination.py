@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
+from ninfer_kv.engine.args import finish_reason
 from ninfer_kv.engine.decode import why_not_writable
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
@@ -80,18 +81,9 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
     """Leave execution: every pool's space of active sequence ``bundle`` is trimmed to its
     committed frontier, then becomes an immutable checkpoint (``retain``; returns its id)
     or is released (§8.3)."""
-    # the reason is journaled: an exact str (a subclass such as numpy.str_ would not encode,
-    # nor digest, at the boundary), UTF-8, at most REASON_MAX bytes — refused now, not there
-    if type(retain) is not bool or type(reason) is not str:
-        raise InvalidArgument(f"finish: retain={retain!r} must be a bool and reason="
-                              f"{reason!r} a str")
-    try:
-        size = len(reason.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"finish: reason={reason!r} is not valid UTF-8") from None
-    if size > ev.REASON_MAX:
-        raise InvalidArgument(f"finish: a reason of {size} UTF-8 bytes > REASON_MAX="
-                              f"{ev.REASON_MAX}")
+    if type(retain) is not bool:
+        raise InvalidArgument(f"finish: retain={retain!r} must be a bool")
+    finish_reason(reason)  # journaled: refused now, not at the boundary
     b = tx.state.bundles.get(bundle)
     if b is None or not b.active:
         raise InactiveSpace(f"seq {bundle} is not an active sequence")
