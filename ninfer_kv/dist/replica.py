@@ -126,6 +126,7 @@ class Leader:
         self._frames: list[bytes] = []
         self._n = 0                           # boundary messages sent
         self.failed: str | None = None
+        self.ended = False                    # an END message went: nothing may follow it
         self.stats = {"messages": 0, "records": 0, "bytes": 0, "acked": 0}
         self._hello = encode_hello(Hello(HELLO_MAGIC, VERSION, self.salt, st.seq, self._crc,
                                          st.plan, encode_state(st), digest(st)))
@@ -180,8 +181,7 @@ class Leader:
         queued (their records come at the next boundary)."""
         note = _note(note)
         flags = as_int("flags", flags, lo=0, hi=END | FAILED)  # ACK is the leader's to set
-        if self.failed is not None:
-            raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
+        self._check_streaming()
         if self.store._pending and not flags & FAILED:
             raise ReplicaError(f"flush with {len(self.store._pending)} queued events: their "
                                "record is published at the next boundary (Leader.boundary)")
@@ -196,17 +196,26 @@ class Leader:
         self.stats["messages"] += 1
         self.stats["records"] += len(frames)
         self.stats["bytes"] += len(msg)
+        if flags & END:  # followers stop here (a standby would never ack a later message)
+            self.ended = True
+            self.store.record_hook = None
         if wait:
             self._await_acks(self._n)
             self.stats["acked"] += 1
         return len(msg)
 
+    def _check_streaming(self) -> None:
+        if self.failed is not None:
+            raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
+        if self.ended:
+            raise ReplicaError("the stream ended (flush(flags=END) or close()): no message may "
+                               "follow it; followers join a new Leader")
+
     @contextlib.contextmanager
     def boundary(self, note: bytes = b"") -> Iterator[int]:
         """``store.boundary()`` that also ships the boundary's records before the unit runs."""
         note = _note(note)                     # refused before anything is published
-        if self.failed is not None:
-            raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
+        self._check_streaming()
         try:
             seq = self.store.close_boundary()
         except BaseException:

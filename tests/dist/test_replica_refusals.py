@@ -18,7 +18,7 @@ from ninfer_kv.dist import (
     ReplicaError,
     shard_config,
 )
-from ninfer_kv.dist.stream import MSG_MAGIC, decode_hello, decode_message, encode_hello
+from ninfer_kv.dist.stream import END, MSG_MAGIC, decode_hello, decode_message, encode_hello
 from tests.dist import workers as w
 from tests.interrupts import Injector, lines_to_try
 
@@ -182,6 +182,32 @@ def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
     with pytest.raises(ReplicaError, match="ended this stream"):
         f2.accept(b"more")
     fresh_store.close()
+
+
+def test_nothing_follows_an_end_message() -> None:
+    """Review finding: after ``flush(flags=END)`` the leader kept streaming boundaries the
+    followers refuse (a standby, ended, would never ack: the leader waited out the group's
+    timeout). An END message ends the stream on the leader too: later boundaries and
+    flushes are refused before anything is published, and close() has nothing left to do."""
+    store = KVStore.open(shard_config(w.config(), 2))
+    msgs: list[bytes] = []
+    lead = Leader(store, msgs.append)
+    follower = Follower.from_hello(shard_config(w.config(), 2), msgs.pop(0))
+    lead.flush(flags=END)
+    assert follower.accept(msgs.pop(0)).end
+    store.activate(10, 10)
+    seq = store.state.seq
+    with pytest.raises(ReplicaError, match="the stream ended"):
+        with lead.boundary():
+            pass
+    with pytest.raises(ReplicaError, match="the stream ended"):
+        lead.flush()
+    assert store.state.seq == seq and msgs == []
+    lead.close()
+    with store.boundary():  # the store goes on by itself
+        pass
+    assert msgs == []
+    store.close()
 
 
 def test_one_store_one_leader_and_a_failed_apply_stops_the_follower(pair) -> None:  # noqa: ANN001
