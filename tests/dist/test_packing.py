@@ -101,6 +101,7 @@ def test_every_header_field_is_checked_before_anything_is_reserved() -> None:
     from ninfer_kv.dist.errors import TransferRefused
     from ninfer_kv.dist.receive import _check_header
     from ninfer_kv.dist.transfer import MAGIC, VERSION, layout_of
+    from ninfer_kv.journal.events import METADATA_MAX, REASON_MAX
 
     store = KVStore.open(StoreConfig(model=ModelGeometry(layers=2, kv_heads=2, head_dim=64),
                                      serving=ServingConfig(max_context=256, max_concurrency=2),
@@ -114,6 +115,15 @@ def test_every_header_field_is_checked_before_anything_is_reserved() -> None:
                 {"meta": b"\xc1"}, {"reason": 7}):
         with pytest.raises(TransferRefused, match="header"):
             _check_header(store, {**good, **bad})
+    # what publication's finish and set_metadata would refuse (review finding: they failed
+    # after every byte had moved; tests/dist/test_transfer_refusals.py runs it on two ranks)
+    big = msgspec.msgpack.encode(b"m" * (METADATA_MAX + 1))
+    for bad, why in (({"reason": "x" * (REASON_MAX + 1)}, "reason refused.*REASON_MAX"),
+                     ({"reason": "\ud800"}, "reason refused.*UTF-8"),
+                     ({"meta": big}, "METADATA_MAX")):
+        with pytest.raises(TransferRefused, match=why):
+            _check_header(store, {**good, **bad})
+    assert _check_header(store, {**good, "reason": "é" * (REASON_MAX // 2), "meta": b""})
     no_id = dict(good)
     del no_id["checkpoint"]
     with pytest.raises(TransferRefused, match="checkpoint=None"):
