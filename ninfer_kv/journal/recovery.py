@@ -255,12 +255,14 @@ def _judge_damage(res: ScanResult, rest: list[tuple[int, str]], data: bytes, off
     num = rest[0][0]
     durable_later = _later_durable_seq(data, off + 1, hdr.salt) >= expect_seq
     # A later segment is created only after this one was fsynced (rotation and reopen both
-    # sync first), so a later segment with a valid header proves the damaged bytes were durable.
-    if any(not isinstance(SegmentHeader.parse(read_file(fs, p)), str) for _, p in rest[1:]):
+    # sync first), and gets its final name only with a durable header: any later segment,
+    # its header sound or not (that is damage too, never a torn creation), proves the
+    # damaged bytes were durable.
+    if rest[1:]:
         durable_later = True
     if durable_later and not salvage:
-        raise JournalCorrupt(num, off, f"{reason}; a later record proves seq {expect_seq} "
-                             "had been made durable")
+        raise JournalCorrupt(num, off, f"{reason}; a later record or segment proves seq "
+                             f"{expect_seq} had been made durable")
     res.salvaged = durable_later
     cut = len(data) - off + sum(len(read_file(fs, p)) for _, p in rest[1:])
     res.cuts.append(Cut(num, off, cut, ("salvage: " if durable_later else "torn tail: ") + reason))

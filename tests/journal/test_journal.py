@@ -420,3 +420,26 @@ def test_a_last_segment_cut_into_its_header_is_damage_not_a_torn_creation(size: 
         Journal.open(D, CODEC, JournalOptions(), fs=fs)
     kept = JournalReader(D, fs=fs, salvage=True)
     assert kept.last_seq == first_of_last - 1 and kept.scan.salvaged
+
+
+@pytest.mark.parametrize("later", ["short", "bad crc", "empty"])
+def test_damage_before_a_later_segment_with_a_bad_header_is_corruption(later: str) -> None:
+    """Review finding: a damaged record in segment N was judged a torn tail (cut, with every
+    acknowledged record after it) when segment N+1's header did not parse, since only a later
+    segment with a sound header counted as proof. Any later segment proves N was fsynced:
+    rotation syncs first, and a segment gets its final name only with a durable header."""
+    fs = CrashFS()
+    j = write_log(fs, 40, segment_bytes=1024)
+    j.close()
+    segs = sorted(p for p in fs.files if p.endswith(".log"))
+    assert len(segs) >= 3
+    fs.files[segs[-2]].durable[-1] ^= 1           # the last record of the segment before
+    node = fs.files[segs[-1]]
+    node.durable = {"short": node.durable[:20], "empty": bytearray(),
+                    "bad crc": node.durable[:36] + bytes(4) + node.durable[40:]}[later]
+    with pytest.raises(JournalCorrupt, match=f"segment {len(segs) - 1}"):
+        JournalReader(D, fs=fs)
+    with pytest.raises(JournalCorrupt):
+        Journal.open(D, CODEC, JournalOptions(), fs=fs)
+    kept = JournalReader(D, fs=fs, salvage=True)
+    assert kept.scan.salvaged and kept.last_seq < 40
