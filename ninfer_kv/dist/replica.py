@@ -126,7 +126,7 @@ class Leader:
         self._frames: list[bytes] = []
         self._n = 0                           # boundary messages sent
         self.failed: str | None = None
-        self.ended = False                    # an END message went: nothing may follow it
+        self.ended = False                    # an END or FAILED message went: nothing follows
         self.stats = {"messages": 0, "records": 0, "bytes": 0, "acked": 0}
         self._hello = encode_hello(Hello(HELLO_MAGIC, VERSION, self.salt, st.seq, self._crc,
                                          st.plan, encode_state(st), digest(st)))
@@ -196,8 +196,8 @@ class Leader:
         self.stats["messages"] += 1
         self.stats["records"] += len(frames)
         self.stats["bytes"] += len(msg)
-        if flags & END:  # followers stop here (a standby would never ack a later message)
-            self.ended = True
+        if flags & (END | FAILED):  # followers stop here (a standby would never ack a later
+            self.ended = True        # message): so does the leader
             self.store.record_hook = None
         if wait:
             self._await_acks(self._n)
@@ -208,8 +208,8 @@ class Leader:
         if self.failed is not None:
             raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
         if self.ended:
-            raise ReplicaError("the stream ended (flush(flags=END) or close()): no message may "
-                               "follow it; followers join a new Leader")
+            raise ReplicaError("the stream ended (close(), or a flush with END or FAILED): no "
+                               "message may follow it; followers join a new Leader")
 
     @contextlib.contextmanager
     def boundary(self, note: bytes = b"") -> Iterator[int]:

@@ -18,7 +18,7 @@ from ninfer_kv.dist import (
     ReplicaError,
     shard_config,
 )
-from ninfer_kv.dist.stream import END, MSG_MAGIC, decode_hello, decode_message, encode_hello
+from ninfer_kv.dist.stream import END, FAILED, MSG_MAGIC, decode_hello, decode_message, encode_hello
 from tests.dist import workers as w
 from tests.interrupts import Injector, lines_to_try
 
@@ -184,17 +184,36 @@ def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
     fresh_store.close()
 
 
-def test_nothing_follows_an_end_message() -> None:
-    """Review finding: after ``flush(flags=END)`` the leader kept streaming boundaries the
-    followers refuse (a standby, ended, would never ack: the leader waited out the group's
-    timeout). An END message ends the stream on the leader too: later boundaries and
-    flushes are refused before anything is published, and close() has nothing left to do."""
+@pytest.mark.parametrize("how", ["END", "FAILED", "close failed"])
+def test_nothing_follows_an_end_or_failed_message(how: str) -> None:
+    """Review findings: after ``flush(flags=END)`` — and after a FAILED message, from
+    ``flush(flags=FAILED)`` or a ``close()`` whose publication raised — the leader kept
+    streaming boundaries the followers refuse (a standby, stopped, would never ack: the
+    leader waited out the group's timeout). Either message ends the stream on the leader
+    too: later boundaries and flushes are refused before anything is published, and
+    close() has nothing left to do."""
     store = KVStore.open(shard_config(w.config(), 2))
     msgs: list[bytes] = []
     lead = Leader(store, msgs.append)
     follower = Follower.from_hello(shard_config(w.config(), 2), msgs.pop(0))
-    lead.flush(flags=END)
-    assert follower.accept(msgs.pop(0)).end
+    if how == "close failed":
+        store.activate(10, 10)                  # queued: close() publishes it first
+        real = store._publish_record
+
+        def interrupted() -> int:
+            raise KeyboardInterrupt
+
+        store._publish_record = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            lead.close()
+        store._publish_record = real  # type: ignore[method-assign]
+    else:
+        lead.flush(flags=END if how == "END" else FAILED)
+    if how == "END":
+        assert follower.accept(msgs.pop(0)).end
+    else:
+        with pytest.raises(ReplicaDiverged, match="the leader failed"):
+            follower.accept(msgs.pop(0))
     store.activate(10, 10)
     seq = store.state.seq
     with pytest.raises(ReplicaError, match="the stream ended"):
