@@ -54,10 +54,12 @@ def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
                               f"reason={h.get('reason')!r}, meta of type "
                               f"{type(h.get('meta')).__name__}: an int, a str or nil, bytes")
     if h.get("meta"):
-        try:  # as _publish's set_metadata will encode it again
+        try:  # as _publish's set_metadata will encode it again (and as its refusals)
             size = len(msgspec.msgpack.encode(msgspec.msgpack.decode(h["meta"])))
-        except msgspec.DecodeError as exc:
-            raise TransferRefused(f"header metadata does not decode ({exc})") from None
+        except (msgspec.MsgspecError, RecursionError, TypeError, ValueError,
+                OverflowError) as exc:  # RecursionError: nested past msgspec's depth
+            raise TransferRefused(f"header metadata does not decode, or encode again "
+                                  f"({type(exc).__name__}: {exc})") from None
         if size > ev.METADATA_MAX:
             raise TransferRefused(f"header metadata of {size} bytes > METADATA_MAX="
                                   f"{ev.METADATA_MAX}")
@@ -226,7 +228,8 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
     try:
         try:
             pools = _check_header(store, h)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError,
+                RecursionError) as exc:  # RecursionError is a RuntimeError, not the wire's
             raise TransferRefused(f"import from rank {src}: malformed header ({exc!r})"
                                   ) from None
         seq = _reserve(store, pools)

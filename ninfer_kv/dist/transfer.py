@@ -137,7 +137,7 @@ def recv_control(peer: int, group: Any, what: str) -> dict[str, Any]:
                               "CRC-32C: damaged in transit")
     try:
         out = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # a RuntimeError, not the wire's
         raise TransferRefused(f"the {what} from rank {peer} does not decode ({exc})") from None
     if not isinstance(out, dict):
         raise TransferRefused(f"the {what} from rank {peer} is a {type(out).__name__}, not a map")

@@ -120,7 +120,10 @@ def test_every_header_field_is_checked_before_anything_is_reserved() -> None:
     big = msgspec.msgpack.encode(b"m" * (METADATA_MAX + 1))
     for bad, why in (({"reason": "x" * (REASON_MAX + 1)}, "reason refused.*REASON_MAX"),
                      ({"reason": "\ud800"}, "reason refused.*UTF-8"),
-                     ({"meta": big}, "METADATA_MAX")):
+                     ({"meta": big}, "METADATA_MAX"),
+                     # nested past msgspec's depth: RecursionError, which left the wire out
+                     # of step (review of the fix)
+                     ({"meta": b"\x91" * 1000 + b"\xc0"}, "RecursionError")):
         with pytest.raises(TransferRefused, match=why):
             _check_header(store, {**good, **bad})
     assert _check_header(store, {**good, "reason": "é" * (REASON_MAX // 2), "meta": b""})
@@ -167,6 +170,11 @@ def test_header_and_status_messages_are_sealed(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(TransferRefused, match="not a map"):
         transfer.recv_control(0, None, "header")
     inbox.append(seal(b"\xc1"))  # sealed, yet not msgpack
+    with pytest.raises(TransferRefused, match="does not decode"):
+        transfer.recv_control(0, None, "header")
+    # nested past msgspec's depth: a RecursionError, which import_ took for the wire's
+    # RuntimeError and left unanswered (review of the header fixes)
+    inbox.append(seal(b"\x81\xa1k" + b"\x91" * 1000 + b"\xc0"))
     with pytest.raises(TransferRefused, match="does not decode"):
         transfer.recv_control(0, None, "header")
 
