@@ -62,6 +62,8 @@ def _token(path: str) -> str | None:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         return os.read(fd, 64).decode("ascii", errors="replace").strip()
+    except OSError as exc:  # e.g. a directory under the token's name
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
 

@@ -41,9 +41,13 @@ class DirLock:
                 raise
             raise StoreLocked(f"{directory} is locked by another store (pid {holder}); one "
                               "writer per directory — close that store first") from None
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:  # the pid for the message above; a failure here must not keep the lock
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            _unlock_and_close(fd, os.getpid())
+            raise
         self._fd: int | None = fd
         # runs once: release, or collection
         self._closer = weakref.finalize(self, _unlock_and_close, fd, os.getpid())

@@ -666,3 +666,18 @@ def test_a_host_publish_refused_changes_nothing(tmp_path: Path, damage: str) -> 
                        else r"extents \[.*\] are not allocated"):
         apply(st, e)
     assert (digest(st), dict(st.host_pending), p.pg_pins[list(slots)].tolist()) == before
+
+
+@pytest.mark.parametrize("token", ["j/ARENA", "a/host_arena.bin.id"])
+def test_an_unreadable_arena_token_is_a_config_error(tmp_path: Path, token: str) -> None:
+    """Review finding: a directory under an arena identity token's name made open raise a
+    bare IsADirectoryError naming no file."""
+    def cfg() -> StoreConfig:
+        return small_config(None, pages=80, host_bytes=8 << 20,
+                            persist_dir=str(tmp_path / "a"), journal_dir=str(tmp_path / "j"))
+
+    KVStore.open(cfg()).close()
+    (tmp_path / token).unlink()
+    (tmp_path / token).mkdir()
+    with pytest.raises(ConfigError, match=f"cannot read .*{token.split('/')[1]}: Is a direct"):
+        KVStore.open(cfg())

@@ -118,3 +118,25 @@ def test_a_fork_after_an_interrupted_release_closes_no_other_file(tmp_path: Path
     for fd in (r, w, other):
         os.close(fd)
     lk.release()
+
+
+def test_a_failed_pid_write_releases_the_lock(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: writing the holder's pid into LOCK after the flock succeeded
+    (ENOSPC, EDQUOT, a file-size limit) leaked the descriptor with the lock held: the same
+    process could never open the journal again (StoreLocked naming no pid)."""
+    import errno
+    import os
+
+    from ninfer_kv.journal import lock
+
+    def no_space(fd: int, data: bytes, off: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fds = len(os.listdir("/proc/self/fd"))
+    with monkeypatch.context() as m:
+        m.setattr(lock.os, "pwrite", no_space)
+        with pytest.raises(OSError, match="No space"):
+            lock.DirLock(str(tmp_path / "j"))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    lock.DirLock(str(tmp_path / "j")).release()  # the lock was given back
