@@ -73,7 +73,8 @@ def why_not_writable(p: PoolState, bundle: int, block: int) -> str:
     why = ""
     if pg.pins:  # the one cause a caller fixes by waiting: say so (§5.3)
         why = ("; it is pinned by a copy a command queued (a COW tail or a D2H offload "
-               "reads it): the next boundary runs the copy and unpins it")
+               "reads it, an H2D restore writes it): the next boundary runs the copy and "
+               "unpins it")
     return (f"seq {bundle} pool {p.name} block {block} (page {p.name}:{pg.slot}): writer="
             f"{pg.writer}, refs={pg.refs}, protected={pg.protected}, pins={pg.pins}, epoch="
             f"{pg.epoch}: only the single private writer may write (§9.4){why}")
