@@ -243,6 +243,12 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
 # --- dump ---------------------------------------------------------------------------------------
 def run_dump(a: argparse.Namespace, console: Console) -> int:
     reader = JournalReader(a.dir, from_snapshot=a.from_snapshot)
+    first, last = reader.scan.first_seq, reader.last_seq
+    # as replay --until and inspect --at; last + 1 is the empty tail a poller asks for next
+    if a.from_seq and not first <= a.from_seq <= last + 1:
+        raise InvalidArgument(f"--from {a.from_seq}: the records read are {first}..{last}"
+                              + (" (the ones before were compacted, or --from-snapshot skips "
+                                 "them)" if a.from_seq < first else ""))
     reader.export_ndjson(sys.stdout.buffer, a.from_seq)
     sys.stdout.flush()
     return 0

@@ -68,6 +68,9 @@ CASES = [
     # review findings (evening): a traceback (a Unicode digit, a packed field of 3 bytes) or
     # a plan that never returned (its plane inventory is per layer)
     ["inspect", "{j}", "--page", "main:\u00b3"], ["dump", "{odd}"],
+    # review of the replay fix: dump --from past the end printed nothing with exit 0 (the
+    # record after the last, a poller's next ask, still answers empty)
+    ["dump", "{j}", "--from", "999999"],
     ["plan", "--layers", "100000000000000000000"], ["plan", "--head-dim", "99999"],
 ]
 

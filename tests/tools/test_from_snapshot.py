@@ -124,8 +124,12 @@ def test_a_record_before_the_oldest_state_read_is_the_callers_request(
         replay(reader, until_record=3)
     assert replay(reader, until_record=first).state.seq == first
     for cmd in (["inspect", j, "--from-snapshot", "--at", "3"],
-                ["replay", j, "--from-snapshot", "--until", "3"]):
+                ["replay", j, "--from-snapshot", "--until", "3"],
+                ["dump", j, "--from-snapshot", "--from", "3"]):  # it began at the first
         code, _, err = run(capsys, *cmd)
         lines = [x for x in err.splitlines() if x.strip() and "[warning" not in x]
         assert code == 2 and len(lines) == 1 and "InvalidArgument" in lines[0], err
         assert "corrupt" not in lines[0], err
+    code, out, err = run(capsys, "dump", j, "--from-snapshot", "--from",
+                         str(reader.last_seq + 1))  # a poller's next ask: nothing yet
+    assert code == 0 and out == "", err
