@@ -208,8 +208,9 @@ class Leader:
         if self.failed is not None:
             raise StreamBroken(f"leader stopped streaming earlier: {self.failed}")
         if self.ended:
+            why = f" (the store failed: {self.store.failed})" if self.store.failed else ""
             raise ReplicaError("the stream ended (close(), or a flush with END or FAILED): no "
-                               "message may follow it; followers join a new Leader")
+                               f"message may follow it; followers join a new Leader{why}")
 
     @contextlib.contextmanager
     def boundary(self, note: bytes = b"") -> Iterator[int]:

@@ -19,6 +19,7 @@ from ninfer_kv.dist import (
     shard_config,
 )
 from ninfer_kv.dist.stream import END, FAILED, MSG_MAGIC, decode_hello, decode_message, encode_hello
+from ninfer_kv.errors import StoreFailed
 from tests.dist import workers as w
 from tests.interrupts import Injector, lines_to_try
 
@@ -184,8 +185,9 @@ def test_a_diverged_or_ended_follower_stops(pair) -> None:  # noqa: ANN001
     fresh_store.close()
 
 
-@pytest.mark.parametrize("how", ["END", "FAILED", "close failed"])
-def test_nothing_follows_an_end_or_failed_message(how: str) -> None:
+@pytest.mark.parametrize("how", ["END", "FAILED", "close failed", "boundary failed"])
+def test_nothing_follows_an_end_or_failed_message(how: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Review findings: after ``flush(flags=END)`` — and after a FAILED message, from
     ``flush(flags=FAILED)`` or a ``close()`` whose publication raised — the leader kept
     streaming boundaries the followers refuse (a standby, stopped, would never ack: the
@@ -207,6 +209,13 @@ def test_nothing_follows_an_end_or_failed_message(how: str) -> None:
         with pytest.raises(KeyboardInterrupt):
             lead.close()
         store._publish_record = real  # type: ignore[method-assign]
+    elif how == "boundary failed":
+        store.activate(10, 10)
+        with monkeypatch.context() as m:
+            m.setattr(store, "_append_pending", lambda: 1 / 0)  # the record cannot be written
+            with pytest.raises(StoreFailed):
+                with lead.boundary():
+                    pass
     else:
         lead.flush(flags=END if how == "END" else FAILED)
     if how == "END":
@@ -214,6 +223,14 @@ def test_nothing_follows_an_end_or_failed_message(how: str) -> None:
     else:
         with pytest.raises(ReplicaDiverged, match="the leader failed"):
             follower.accept(msgs.pop(0))
+    if how == "boundary failed":  # the refusal says why
+        for call in (lead.flush, lambda: lead.boundary().__enter__()):
+            with pytest.raises(ReplicaError, match="the stream ended.*the store failed"):
+                call()
+        assert msgs == []
+        lead.close()
+        store.close()
+        return
     store.activate(10, 10)
     seq = store.state.seq
     with pytest.raises(ReplicaError, match="the stream ended"):
