@@ -16,7 +16,14 @@ import numpy as np
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import NO_ROW, KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_members, unref
+from ninfer_kv.engine.page_life import (
+    I64,
+    drop_membership,
+    members_of,
+    new_members,
+    retain_membership,
+    unref,
+)
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -37,12 +44,10 @@ def finish(st: StoreState, e: ev.Finish) -> None:
     bundle = _bundle(st, e.bundle, "Finish")
     assert pool.row_owner.get(sp.row) == e.bundle and sp.row not in pool.free_rows, \
         f"Finish of seq {e.bundle}: its row {sp.row} is not leased to it"
-    slots = members_of(pool, sp, "Finish")
-    if e.retain:  # members_of refused a damaged membership before any change
-        ak.retain_pages(slots, e.bundle, sp.committed, pool.pg_active, pool.pg_writer,
-                        pool.pg_protected)  # protected only grows
+    if e.retain:  # each refuses a damaged membership before any change
+        retain_membership(pool, sp, e.bundle, "Finish")  # protected only grows
     else:
-        unref(st, pool, slots, e.bundle, True)
+        drop_membership(st, pool, sp, e.bundle, True, "Finish")
     pool.reserved -= sp.reserved          # unmaterialized entitlement -> global capacity
     del pool.row_owner[sp.row]
     pool.free_rows.add(sp.row)
@@ -70,7 +75,7 @@ def release(st: StoreState, e: ev.Release) -> None:
     pool = st.pools[e.pool]
     assert not pool.spaces[e.bundle].active, f"Release of seq {e.bundle}: it is active (Finish)"
     _bundle(st, e.bundle, "Release")
-    unref(st, pool, members_of(pool, pool.spaces[e.bundle], "Release"), e.bundle, False)
+    drop_membership(st, pool, pool.spaces[e.bundle], e.bundle, False, "Release")
     _drop_space(st, pool, e.bundle)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life_kernels import membership_fault
+from ninfer_kv.engine.page_life_kernels import membership_fault, membership_of
 from ninfer_kv.engine.round_kernels import OK
 from ninfer_kv.kernels.jit import njit
 
@@ -351,3 +351,17 @@ def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_active: np.n
         cols = min(P, committed - P * k)
         if cols > pg_protected[s]:
             pg_protected[s] = cols
+
+
+@njit(nogil=True)
+def retain_membership(i: int, bundle: int, committed: int, sp_members: np.ndarray,
+                      sp_nmem: np.ndarray, pg_live: np.ndarray, pg_active: np.ndarray,
+                      pg_writer: np.ndarray, pg_protected: np.ndarray) -> int:
+    """``apply(Finish(retain))``'s page half for space ``i`` in one call: its membership
+    judged as ``page_life.members_of`` does (``membership_of``), then ``retain_pages``.
+    Returns -1, or the first bad block (-2: a length outside its row) with nothing
+    changed."""
+    slots, k = membership_of(i, sp_members, sp_nmem, pg_live)
+    if k == -1:
+        retain_pages(slots, bundle, committed, pg_active, pg_writer, pg_protected)
+    return k

@@ -60,10 +60,51 @@ def unref(st: StoreState, pool: PoolState, slots: np.ndarray | list[int], bundle
                        pool.pg_writer, pool.pg_pins, pool.pg_device, pool.free_pages.bits,
                        pool.free_slots.bits)
     if j >= 0:
-        raise ValueError(f"{pool.name}: seq {bundle} drops slot {int(slots[j])}, which is no "
-                         "live page it references, or whose slot or page group is free "
-                         "already (§14)")
+        raise ValueError(_cannot_drop(pool, bundle, int(slots[j])))
     collect(st, pool, slots)
+
+
+def _cannot_drop(pool: PoolState, bundle: int, slot: int) -> str:
+    return (f"{pool.name}: seq {bundle} drops slot {slot}, which is no live page it "
+            "references, or whose slot or page group is free already (§14)")
+
+
+def drop_membership(st: StoreState, pool: PoolState, sp: KVAddressSpace, bundle: int,
+                    active: bool, what: str) -> None:
+    """``unref`` of ``sp``'s whole membership (read through ``members_of``): one compiled
+    call (``page_life_kernels.drop_membership``) when the pool holds no host replica, else
+    those two steps (a host replica's arena extent is freed here, in Python). Refuses as
+    they do, with nothing changed."""
+    if pool.host_of:
+        unref(st, pool, members_of(pool, sp, what), bundle, active)
+        return
+    fs, fp = pool.free_slots, pool.free_pages
+    code, j, freed, low, n_dead, low_slot = plk.drop_membership(
+        sp.i, bundle, active, pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
+        pool.pg_active, pool.pg_writer, pool.pg_pins, pool.pg_device, pool.pg_gen, fp.bits,
+        fs.bits)
+    if code == plk.MEMBERS_FAULT:
+        members_of(pool, sp, what)  # raises, naming the block
+        raise AssertionError(f"{what} of seq {bundle}: membership refused at block {j}")
+    if code == plk.UNREF_FAULT:
+        raise ValueError(_cannot_drop(pool, bundle, int(pool.sp_members[sp.i, j])))
+    fp.n += freed
+    if freed:
+        fp.lo = min(fp.lo, low)
+    if n_dead:
+        fs.n += n_dead
+        fs.lo = min(fs.lo, low_slot)
+
+
+def retain_membership(pool: PoolState, sp: KVAddressSpace, bundle: int, what: str) -> None:
+    """``apply(Finish(retain))``'s page half (``apply_kernels.retain_pages`` on ``sp``'s
+    membership, read as ``members_of`` reads it) in one compiled call; refuses as
+    ``members_of`` does, with nothing changed."""
+    k = ak.retain_membership(sp.i, bundle, sp.committed, pool.sp_members, pool.sp_nmem,
+                             pool.pg_live, pool.pg_active, pool.pg_writer, pool.pg_protected)
+    if k != -1:
+        members_of(pool, sp, what)  # raises, naming the block
+        raise AssertionError(f"{what} of seq {bundle}: membership refused at block {k}")
 
 
 def collectable(st: StoreState, pool: PoolState, slots: np.ndarray, what: str) -> None:
@@ -104,8 +145,10 @@ def members_of(pool: PoolState, sp: KVAddressSpace, what: str) -> np.ndarray:
     """``sp``'s membership as a fresh int64 array (slot ids by logical block), read for an
     event that changes its pages: distinct live pages (§14), else (a damaged state: a foreign
     snapshot, a bug) ``ValueError`` naming the block — before the handler changes anything.
-    Every handler reads a membership through this, so a repeat or an out-of-range slot
-    cannot count a page twice or (numpy and numba wrap negative indices) alias another's."""
+    Every handler reads a membership through this (Finish and Release through
+    ``page_life_kernels.membership_of``, the same rule compiled), so a repeat or an
+    out-of-range slot cannot count a page twice or (numpy and numba wrap negative indices)
+    alias another's."""
     n = pool.sp_nmem[sp.i]
     if not 0 <= n <= pool.sp_members.shape[1]:  # numpy would wrap or clamp the slice
         raise ValueError(f"{what} of seq {sp.bundle} in {pool.name}: a membership of {n} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.round_kernels import OK
 from ninfer_kv.kernels.jit import njit
 
 
@@ -147,3 +148,65 @@ def free_dead(dead: np.ndarray, pg_live: np.ndarray, pg_device: np.ndarray,
         pg_gen[s] += 1
         slot_bits[s] = True
     return -1, freed, low, dead[0] if dead.shape[0] else -1
+
+
+MEMBERS_FAULT, UNREF_FAULT = 1, 2
+"""``drop_membership``'s refusals (else ``OK``): the membership breaks §14 (a length outside
+its row, a slot that is no live page or one an earlier block names), or a page it names
+cannot drop a reference (``unref_slots``' rule)."""
+
+
+@njit(nogil=True)
+def membership_of(i: int, sp_members: np.ndarray, sp_nmem: np.ndarray, pg_live: np.ndarray
+                  ) -> tuple[np.ndarray, int]:
+    """Space ``i``'s membership (a view of its row) and -1 when it is sound
+    (``page_life.members_of``'s rule: a length within its row, distinct live pages), else
+    the first bad block (-2: a length outside its row)."""
+    n = sp_nmem[i]
+    if n < 0 or n > sp_members.shape[1]:
+        return sp_members[i, :0], -2
+    slots = sp_members[i, :n]
+    return slots, membership_fault(slots, pg_live)
+
+
+@njit(nogil=True)
+def drop_membership(i: int, bundle: int, active: bool, sp_members: np.ndarray,
+                    sp_nmem: np.ndarray, pg_live: np.ndarray, pg_refs: np.ndarray,
+                    pg_active: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
+                    pg_device: np.ndarray, pg_gen: np.ndarray, page_bits: np.ndarray,
+                    slot_bits: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """``page_life.unref`` of space ``i``'s whole membership (``members_of`` first) in one
+    call, for a pool that holds no host replica (Finish without retention, Release): the
+    membership judged, its references dropped (``unref_slots``), then its garbage collected
+    as ``free_dead`` does — a membership names each slot once, so each garbage slot is
+    freed once, and ``unref_slots`` checked every one of them can be. Returns (code, j,
+    page groups freed, the lowest freed or -1, slots freed, the lowest freed or -1): on
+    ``MEMBERS_FAULT`` (``j`` the block, -2 a bad length) or ``UNREF_FAULT`` (``j`` the
+    block) nothing changed."""
+    slots, k = membership_of(i, sp_members, sp_nmem, pg_live)
+    if k != -1:
+        return MEMBERS_FAULT, k, 0, -1, 0, -1
+    j = unref_slots(slots, bundle, active, pg_live, pg_refs, pg_active, pg_writer, pg_pins,
+                    pg_device, page_bits, slot_bits)
+    if j >= 0:
+        return UNREF_FAULT, j, 0, -1, 0, -1
+    freed = n_dead = 0
+    low = low_slot = -1
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        if pg_refs[s] != 0 or pg_pins[s] != 0:
+            continue
+        d = pg_device[s]
+        if d != -1:
+            page_bits[d] = True
+            freed += 1
+            if low < 0 or d < low:
+                low = d
+        pg_device[s] = -1
+        pg_live[s] = False
+        pg_gen[s] += 1
+        slot_bits[s] = True
+        n_dead += 1
+        if low_slot < 0 or s < low_slot:
+            low_slot = s
+    return OK, -1, freed, low, n_dead, low_slot

@@ -192,6 +192,12 @@ def _member_negative(st: StoreState, slot: int, i: int) -> None:
         p.sp_members[i, 0] = slot - len(p.pg_live)
 
 
+def _member_too_long(st: StoreState, slot: int, i: int) -> None:
+    """The space's membership length runs past its row of ``sp_members``."""
+    p = st.pools["main"]
+    p.sp_nmem[i] = p.sp_members.shape[1] + 1
+
+
 def _extent_shared(st: StoreState, slot: int, i: int) -> None:
     """``slot``'s host replica names another replica's extent (its own freed)."""
     p = st.pools["main"]
@@ -234,6 +240,7 @@ DAMAGES: dict[str, Callable[[StoreState, int, int], None]] = {
     "generation advanced": _add("pg_gen", 1),
     "entitlement lowered": _add("sp_entitlement", -3),
     "membership naming a negative slot": _member_negative,
+    "membership longer than its row": _member_too_long,
 }
 
 # the case -> the space whose whole membership its last event reads ("ck" or "a")
@@ -292,7 +299,7 @@ def test_an_event_reading_a_damaged_membership_refuses_it(world: Any) -> None:
     accepted = []
     for name, whose in sorted(READS.items()):
         for damage in ("page dead", "membership repeating a page",
-                       "membership naming a negative slot"):
+                       "membership naming a negative slot", "membership longer than its row"):
             sp = s.state.pools["main"].spaces[ck if whose == "ck" else a]
             for slot in sp.members:
                 st = copy.deepcopy(s.state)

@@ -1,8 +1,11 @@
-"""The decode round's compiled kernels (engine/round_kernels.py) against plain-Python oracles
-written from the rules they implement (§8.1, §8.2, §9.4), on random pool arrays."""
+"""The decode round's compiled kernels (engine/round_kernels.py) and apply's
+(engine/apply_kernels.py, engine/page_life_kernels.py) against plain-Python oracles written
+from the rules they implement (§8.1, §8.2, §9.4), or against the steps a fused kernel
+replaces, on random pool arrays."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,10 +14,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import apply_kernels as ak
+from ninfer_kv.engine import page_life
 from ninfer_kv.engine import page_life_kernels as plk
 from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal.events import pack
 
 I64 = np.int64
@@ -578,3 +583,126 @@ def test_apply_provisional_matches_oracle(args):
     assert ak.apply_provisional(raw, raw, bundle_index, sp_active, nmem,
                                 prov) == ak.COMMIT_LENGTHS
     assert prov.tolist() == want.tolist()
+
+
+@st.composite
+def drop_cases(draw):
+    """A 16-slot pool with random page arrays and free lists and one space (index 0, seq 3)
+    whose membership may break any rule: dead, repeated or out-of-range slots, a length
+    past its row, pages without references or whose slot or page group is free already."""
+    p = PoolState("main", 16, 2, 8)
+    n = 16
+    for name, lo, hi in (("pg_refs", 0, 2), ("pg_pins", 0, 1), ("pg_active", 0, 2),
+                         ("pg_writer", -1, 4), ("pg_device", -1, 15)):
+        getattr(p, name)[:] = draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
+    p.pg_live[:] = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    for ids in (p.free_slots, p.free_pages):
+        ids.bits[:] = False
+        ids.n = 0
+        ids.give(np.array(draw(st.lists(st.integers(0, 15), max_size=6, unique=True)), I64))
+    p.n_slots = n
+    width = p.sp_members.shape[1]
+    if draw(st.booleans()):  # a sound membership (most of its pages garbage once dropped)
+        slots = draw(st.lists(st.integers(0, 15), max_size=width, unique=True))
+        groups = draw(st.permutations(range(16)))
+        for k, s in enumerate(slots):
+            p.pg_live[s], p.pg_device[s] = True, groups[k] if k % 5 else -1
+            p.pg_refs[s] = draw(st.sampled_from((1, 1, 2)))
+            p.pg_pins[s] = draw(st.sampled_from((0, 0, 1)))
+            if s in p.free_slots:
+                p.free_slots.take([s])
+            if p.pg_device[s] >= 0 and int(p.pg_device[s]) in p.free_pages:
+                p.free_pages.take([int(p.pg_device[s])])
+        p.sp_members[0, :len(slots)] = slots
+        p.sp_nmem[0] = len(slots)
+        if slots and draw(st.booleans()):  # then at most one damage
+            s = slots[draw(st.integers(0, len(slots) - 1))]
+            damage = draw(st.sampled_from(("dead", "no ref", "slot free", "group free")))
+            if damage == "dead":
+                p.pg_live[s] = False
+            elif damage == "no ref":
+                p.pg_refs[s] = 0
+            elif damage == "slot free":
+                p.free_slots.give(np.array([s], I64))
+            elif p.pg_device[s] >= 0:
+                p.free_pages.give(np.array([p.pg_device[s]], I64))
+    else:  # anything
+        p.sp_members[0] = draw(st.lists(st.integers(-2, 17), min_size=width, max_size=width))
+        p.sp_nmem[0] = draw(st.integers(-1, width + 1))
+    return p, draw(st.booleans())
+
+
+def _arrays(p: PoolState) -> dict[str, object]:
+    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in (
+        *((f, getattr(p, f)) for f in ("pg_refs", "pg_pins", "pg_active", "pg_writer",
+                                       "pg_device", "pg_gen", "pg_live", "sp_members",
+                                       "sp_nmem")),
+        ("slots", p.free_slots.bits), ("slots n", p.free_slots.n), ("slots lo", p.free_slots.lo),
+        ("pages", p.free_pages.bits), ("pages n", p.free_pages.n), ("pages lo", p.free_pages.lo))}
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> bool:
+    return all(np.array_equal(a[k], b[k]) for k in a)  # type: ignore[arg-type]
+
+
+@settings(max_examples=400, deadline=None)
+@given(drop_cases())
+def test_drop_membership_is_members_of_then_unref(case) -> None:
+    """The fused Finish/Release page half (``page_life.drop_membership``: one compiled call)
+    against the two steps it replaces (``members_of``, then ``unref`` with its
+    ``collect``): both refuse, changing nothing, or both reach the same arrays and free
+    lists."""
+    p, active = case
+    q = copy.deepcopy(p)
+    before = _arrays(p)
+    sp, sq = _Space(p), _Space(q)
+    try:
+        page_life.unref(None, q, page_life.members_of(q, sq, "Release"), 3, active)
+        want = None
+    except ValueError as exc:
+        want = exc
+    try:
+        page_life.drop_membership(None, p, sp, 3, active, "Release")
+        got = None
+    except ValueError as exc:
+        got = exc
+    assert (got is None) == (want is None), (got, want)
+    if got is None:
+        assert _same(_arrays(p), _arrays(q))
+    else:
+        assert str(got) == str(want)
+        assert _same(_arrays(p), before) and _same(_arrays(q), before)
+
+
+@settings(max_examples=300, deadline=None)
+@given(drop_cases(), st.integers(0, 9 * P))
+def test_retain_membership_is_members_of_then_retain_pages(case, committed: int) -> None:
+    """The fused Finish(retain) page half against ``members_of`` then ``retain_pages``."""
+    p, _ = case
+    q = copy.deepcopy(p)
+    before = _arrays(p)
+    sp, sq = _Space(p, committed), _Space(q, committed)
+    try:
+        slots = page_life.members_of(q, sq, "Finish")
+        ak.retain_pages(slots, 3, committed, q.pg_active, q.pg_writer, q.pg_protected)
+        want = None
+    except ValueError as exc:
+        want = exc
+    try:
+        page_life.retain_membership(p, sp, 3, "Finish")
+        got = None
+    except ValueError as exc:
+        got = exc
+    assert (got is None) == (want is None), (got, want)
+    if got is None:
+        assert _same(_arrays(p), _arrays(q)) and np.array_equal(p.pg_protected, q.pg_protected)
+    else:
+        assert str(got) == str(want) and _same(_arrays(p), before)
+
+
+class _Space:
+    """What the page-half functions read of a ``KVAddressSpace``: its index, seq, committed
+    frontier."""
+
+    def __init__(self, p: PoolState, committed: int = 0) -> None:
+        self._p, self.i, self.bundle, self.committed = p, 0, 3, committed

@@ -81,6 +81,8 @@ class StoreMachine(RuleBasedStateMachine):
         r = replay(str(self.dir / "persist" / "journal"), verify_every=1)
         assert r.digest == live, "replay digest differs from live"
         assert not r.violations, r.violations[:2]
+        plain = replay(str(self.dir / "persist" / "journal"))  # runs in compiled calls
+        assert plain.digest == live and plain.events == r.events, "plain replay differs"
         shutil.rmtree(self.dir, ignore_errors=True)
         StoreMachine.total_steps += self.steps
 
