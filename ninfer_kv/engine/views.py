@@ -13,7 +13,7 @@ import torch
 
 from ninfer_kv.engine.layout import Codec, P, PlaneOrder, Profile
 from ninfer_kv.errors import InvalidArgument
-from ninfer_kv.kernels.checks import check_index
+from ninfer_kv.kernels.checks import check_devices, check_index, check_view
 
 WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
 """Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
@@ -54,9 +54,13 @@ def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
     """vLLM's ``slot_mapping`` for tokens given as (``table_rows[T]``, ``positions[T]``):
     ``page_group * 64 + position % 64`` (int64), -1 where the position's page is unmapped.
-    Slot ``s`` is column ``s % 64`` of page group ``s // 64`` in the planes."""
+    Slot ``s`` is column ``s % 64`` of page group ``s // 64`` in the planes. A table entry
+    naming no page group of the planes (damage: the store publishes none) is refused, as
+    ``append_kv`` refuses it: a writer given its slot would write past the pool."""
+    check_view(view, "slot_mapping")
     check_index(table_rows, "table_rows", "slot_mapping")  # a float is refused, never
     check_index(positions, "positions", "slot_mapping")    # truncated to a position
+    check_devices(view, "slot_mapping", table_rows=table_rows, positions=positions)
     pos, rows = positions.to(torch.int64), table_rows.to(torch.int64)
     c, logical = view.block_tables.shape
     if pos.shape != rows.shape or bool((pos < 0).any() | (pos >= logical * P).any()) or \
@@ -65,6 +69,13 @@ def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
                               f"and positions {pos.tolist()[:8]} in [0, {logical * P}), same "
                               "shape")
     groups = view.block_tables[rows, pos // P].to(torch.int64)
+    n_pages = view.k_pages.shape[0 if view.order is PlaneOrder.PAGE_MAJOR else 1]
+    past = groups >= n_pages
+    if bool(past.any()):
+        i = int(past.nonzero()[0, 0])
+        raise InvalidArgument(f"slot_mapping: token {i} (table row {int(rows[i])}, position "
+                              f"{int(pos[i])}) maps page group {int(groups[i])}, outside the "
+                              f"{n_pages} of the planes (§12.4)")
     return torch.where(groups < 0, -1, groups * P + pos % P)
 
 

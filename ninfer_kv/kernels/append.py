@@ -21,7 +21,14 @@ from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import jit, quant
 from ninfer_kv.kernels.backend import dev_view, launch, scale_or_dummy, use_cuda_kernels
-from ninfer_kv.kernels.checks import check_index, check_mapped, check_values, check_view, int32_or_skip
+from ninfer_kv.kernels.checks import (
+    check_devices,
+    check_index,
+    check_mapped,
+    check_values,
+    check_view,
+    int32_or_skip,
+)
 from ninfer_kv.kernels.codecs import BF16, FP8_ROW, INT8_G64, NVFP4_G16
 
 _ENC_CPU = quant.for_target(quant.encode_row, cpu=True)
@@ -98,6 +105,7 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     if k.shape[1] != view.num_kv_heads or k.shape[2] != view.head_dim:
         raise InvalidArgument(f"append_kv: k heads/dim {tuple(k.shape[1:])} != view "
                               f"({view.num_kv_heads}, {view.head_dim})")
+    check_devices(view, "append_kv", k=k, v=v, table_rows=table_rows, positions=positions)
     check_mapped(view, table_rows, positions, "append_kv")
     if getattr(view, "guard", None) is not None:  # checked mode: writer/frontier/ownership
         view.guard(table_rows, positions)

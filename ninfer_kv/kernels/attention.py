@@ -43,6 +43,7 @@ from ninfer_kv.kernels.backend import (
 )
 from ninfer_kv.kernels.checks import (
     attention_options,
+    check_devices,
     check_index,
     check_read_domain,
     check_values,
@@ -300,7 +301,10 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               f"head_dim={view.head_dim} (need Hq % H == 0, D % 32 == 0, "
                               "D <= 256)")
     if table_rows.shape != (n_rows,) or context_lens.shape != (n_rows,):
-        raise InvalidArgument("paged_decode: table_rows and context_lens must be [B]")
+        raise InvalidArgument(f"paged_decode: table_rows {tuple(table_rows.shape)} and "
+                              f"context_lens {tuple(context_lens.shape)} must be [B={n_rows}] "
+                              f"(q is {tuple(q.shape)})")
+    check_devices(view, "paged_decode", q=q, table_rows=table_rows, context_lens=context_lens)
     check_read_domain(view, table_rows, context_lens, "paged_decode")
     kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
@@ -313,8 +317,9 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                               "(each lane's D/32 elements must sit in one scale group)")
     if not n_rows:  # no launch: a CUDA grid may not be empty
         return q.new_zeros(q.shape)
-    max_ctx = int(context_lens.max())
-    splits = n_split or choose_splits(n_rows, h_kv, max_ctx, cuda_path)
+    # the longest context sizes the split only when the caller did not: reading it is a
+    # device sync on CUDA, which a CUDA graph replay (§13) cannot take
+    splits = n_split or choose_splits(n_rows, h_kv, int(context_lens.max()), cuda_path)
     dev = q.device
     out_m = torch.empty((n_rows, hq, splits), dtype=torch.float32, device=dev)
     out_l = torch.empty_like(out_m)
@@ -340,6 +345,9 @@ def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: t
     check_index(table_rows, "table_rows", "paged_prefill")
     check_index(start, "start", "paged_prefill")
     n_rows, t, hq, d = q.shape
+    if table_rows.shape != (n_rows,):
+        raise InvalidArgument(f"paged_prefill: table_rows {tuple(table_rows.shape)} must be "
+                              f"[B={n_rows}] (q is {tuple(q.shape)})")
     # checked on the host only (no sync): on CUDA a negative start is a context below 1,
     # for which the kernels read nothing
     if start.shape != (n_rows,) or (not start.is_cuda and bool((start < 0).any())):

@@ -3,12 +3,16 @@ Tensor dtype, geometry, closed strides, table shape and execution envelope").
 
 * ``check_view``: each plane has the dtype and [N, H, P, X] / [H, N, P, X] geometry of the
   view's closed profile (a float32 plane handed in for a BF16 profile is refused, not
-  reinterpreted); scale planes exist exactly when the codec has one; tables are int32 [C, L].
-* ``check_mapped``: every (table row, position) a launch writes or reads is inside the table
-  and maps a page group (an entry of -1 would otherwise index the pool's last page). It runs
+  reinterpreted) and closed strides (contiguous: a stride of 0 would make pages alias);
+  scale planes exist exactly when the codec has one; tables are int32 [C, L]; no two of
+  them share memory (a K plane that is the V plane stores V over K).
+* ``check_devices``: the op's tensors are on the planes' device.
+* ``check_mapped`` / ``check_read_domain``: every (table row, position) a launch writes or
+  reads is inside the table and maps a page group of the planes (an entry of -1 would
+  otherwise index the pool's last page), and no two writes land on one token slot. It runs
   on the host for CPU tensors — a few torch ops over B entries; for CUDA tensors it would
-  cost a device sync per launch, so there the kernels skip unmapped entries instead and the
-  host check runs in checked mode (``StoreConfig(checked=True)``).
+  cost a device sync per launch, so there the kernels skip unmapped entries instead, and
+  the check runs on host copies only in checked mode (``StoreConfig(checked=True)``).
 
 Every refusal is an ``InvalidArgument`` (a ``KVStoreError`` and a ``ValueError``) naming the
 tensor, what it is and what the rule wants.
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from ninfer_kv.engine.args import as_int
-from ninfer_kv.engine.layout import P, PlaneOrder, codec_planes
+from ninfer_kv.engine.layout import P, PlaneOrder, Profile, codec_planes
 from ninfer_kv.errors import InvalidArgument
 
 F32_MAX = 3.4028234663852886e38
@@ -64,7 +68,13 @@ def check_view(view: Any, who: str) -> None:
     if tables.dtype != torch.int32 or tables.dim() != 2:  # the kernels index [row, block]
         raise InvalidArgument(f"{who}: block table must be int32 [C, L], got "
                               f"{tables.dtype} {tuple(tables.shape)}")
+    if not isinstance(view.storage, Profile) or not isinstance(view.order, PlaneOrder):
+        raise InvalidArgument(f"{who}: the view's storage must be a Profile and its order a "
+                              f"PlaneOrder, got {view.storage!r} and {view.order!r}")
+    as_int(f"{who}: view num_kv_heads", view.num_kv_heads, lo=1)
+    as_int(f"{who}: view head_dim", view.head_dim, lo=1)
     n_pages = None
+    spans: list[tuple[str, torch.Tensor]] = [("block table", tables)]
     for side, codec in zip(("k", "v"), view.storage.codecs, strict=True):
         want = dict((role, (dt, x)) for role, dt, x, _ in codec_planes(codec, view.head_dim))
         for role in ("code", "scale"):
@@ -92,13 +102,48 @@ def check_view(view: Any, who: str) -> None:
                 raise InvalidArgument(f"{who}: planes disagree on the page count ({n} vs "
                                       f"{n_pages}); a page group spans every plane (§4.2)")
             n_pages = n
+            if not t.is_contiguous():  # a stride of 0, or a slice a copy would write apart
+                raise InvalidArgument(f"{who}: {name} plane {tuple(t.shape)} has strides "
+                                      f"{t.stride()}, not the closed strides of its shape "
+                                      f"(§12.4: contiguous, each page its own memory)")
+            spans.append((f"{name} plane", t))
+    _refuse_overlap(spans, who)
 
 
-def _host_tables(view: Any, *tensors: torch.Tensor) -> torch.Tensor | None:
-    """The [C, L] table when the check runs on the host (every tensor on the CPU), else None."""
-    if view.block_tables.is_cuda or any(t.is_cuda for t in tensors):
+def _refuse_overlap(spans: list[tuple[str, torch.Tensor]], who: str) -> None:
+    """No two of the view's tensors (contiguous: one byte range each) share memory: a K plane
+    that is the V plane, or a scale plane inside a code plane, would make one token's write
+    another's bytes (§12.4)."""
+    ranges = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(),
+                     name) for name, t in spans if t.numel())
+    # sorted by start: if a range overlaps any later one, it overlaps the next
+    for (dev, _, hi, name), (dev2, lo2, _, name2) in zip(ranges, ranges[1:], strict=False):
+        if dev == dev2 and lo2 < hi:
+            raise InvalidArgument(f"{who}: the view's {name} and {name2} share memory "
+                                  f"(bytes {lo2:#x}..{hi:#x}); every plane and the table "
+                                  "need their own (§12.4)")
+
+
+def check_devices(view: Any, who: str, **tensors: torch.Tensor) -> None:
+    """Every op input on the device of the view's planes and table (§12.4: the execution
+    envelope), refused by name — not a ``TypeError`` from inside a launch."""
+    dev = view.k_pages.device
+    for name, t in (("block table", view.block_tables), *tensors.items()):
+        if t.device != dev:
+            raise InvalidArgument(f"{who}: {name} is on {t.device}, the view's planes on "
+                                  f"{dev}")
+
+
+def on_host(view: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """(the [C, L] table, *tensors) on the host for a check: as they are when all are on the
+    CPU. For CUDA tensors the check would cost a device sync per launch, so there it runs
+    only for a view in checked mode (``StoreConfig(checked=True)`` gives the view a write
+    ``guard``), on host copies; otherwise None, and the kernels skip unmapped entries."""
+    if not view.block_tables.is_cuda and not any(t.is_cuda for t in tensors):
+        return (view.block_tables, *tensors)
+    if getattr(view, "guard", None) is None:
         return None
-    return view.block_tables
+    return tuple(t.cpu() for t in (view.block_tables, *tensors))
 
 
 def _refuse_first(bad: torch.Tensor, message: Callable[[int], str]) -> None:
@@ -135,10 +180,12 @@ def int32_or_skip(t: torch.Tensor) -> torch.Tensor:
 
 def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
                  who: str) -> None:
-    """Every ``(table_rows[i], positions[i])`` lies in the table and maps a page group."""
-    tables = _host_tables(view, table_rows, positions)
-    if tables is None:
+    """Every ``(table_rows[i], positions[i])`` lies in the table and maps a page group, and
+    no two write one token slot (a page group's column)."""
+    host = on_host(view, table_rows, positions)
+    if host is None:
         return
+    tables, table_rows, positions = host
     rows, cols = tables.shape
     r, pos = table_rows.long(), positions.long()
     where = lambda i: f"{who}: entry {i} (table row {int(r[i])}, position {int(pos[i])})"  # noqa: E731
@@ -149,20 +196,25 @@ def check_mapped(view: Any, table_rows: torch.Tensor, positions: torch.Tensor,
     _refuse_first((g < 0) | (g >= n_pages),
                   lambda i: f"{where(i)} maps page group {int(g[i])}: not mapped "
                             "(ensure_mapped before the launch, §8.1)")
-    if len(r) > 1:  # two writes of one token run in parallel: a row could mix their bytes
-        keys, counts = torch.unique(r * (cols * P) + pos, return_counts=True)
+    if len(r) > 1:  # two writes of one slot run in parallel: a row could mix their bytes,
+        # through one table row or two that map the same page (a fork's shared prefix)
+        slot = g.long() * P + (pos & (P - 1))
+        keys, counts = torch.unique(slot, return_counts=True)
         if bool((counts > 1).any()):
-            k = int(keys[counts > 1][0])
-            raise InvalidArgument(f"{who}: table row {k // (cols * P)} position "
-                                  f"{k % (cols * P)} is written twice in one call")
+            i, j = (int(x) for x in (slot == keys[counts > 1][0]).nonzero()[:2, 0])
+            raise InvalidArgument(f"{who}: entries {i} and {j} (table rows {int(r[i])} and "
+                                  f"{int(r[j])}, positions {int(pos[i])} and {int(pos[j])}) "
+                                  f"both write column {int(pos[i]) % P} of page group "
+                                  f"{int(g[i])} in one call")
 
 
 def check_read_domain(view: Any, table_rows: torch.Tensor, context_lens: torch.Tensor,
                       who: str) -> None:
     """Every block a row reads (positions < context_lens[i]) is mapped (§12.4)."""
-    tables = _host_tables(view, table_rows, context_lens)
-    if tables is None:
+    host = on_host(view, table_rows, context_lens)
+    if host is None:
         return
+    tables, table_rows, context_lens = host
     rows, cols = tables.shape
     r, ctx = table_rows.long(), context_lens.long()
     _refuse_first((r < 0) | (r >= rows) | (ctx < 0) | (ctx > cols * P),

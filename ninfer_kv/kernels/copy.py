@@ -23,12 +23,17 @@ import numba
 import torch
 from numba import cuda
 
-from ninfer_kv.engine.layout import PlaneOrder
+from ninfer_kv.engine.args import as_int
+from ninfer_kv.engine.layout import P, PlaneOrder
+from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels import jit
 from ninfer_kv.kernels.backend import dev_view, launch, use_cuda_kernels
 
 
 def plane_view(t: torch.Tensor, order: PlaneOrder, unit: torch.dtype) -> torch.Tensor:
+    if not t.is_contiguous():  # reshape would copy it: the kernel would write the copy
+        raise InvalidArgument(f"page copy: a plane {tuple(t.shape)} with strides {t.stride()}"
+                              " is not contiguous (§12.4: closed strides)")
     b = t.view(torch.uint8)
     if order is PlaneOrder.PAGE_MAJOR:
         n, h, p, xb = b.shape
@@ -120,8 +125,26 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: 
         _copy_cpu(*args)
 
 
-def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(ids, dtype=torch.int32).to(device)
+def _n_pages(t: torch.Tensor, order: PlaneOrder) -> int:
+    return t.shape[0] if order is PlaneOrder.PAGE_MAJOR else t.shape[1]
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, n: int, name: str, who: str,
+         device: torch.device) -> torch.Tensor:
+    """``ids`` as the kernels' int32 on ``device``: integers in [0, n) — numba does not
+    bounds-check, so a page past the pool is another allocation's memory and -1 the last
+    page — else ``InvalidArgument`` naming the first (on the host; a CUDA tensor of ids is
+    the caller's, unchecked, as the kernels' other device inputs)."""
+    t = torch.as_tensor(ids if len(ids) else [], dtype=None if len(ids) else torch.int64)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
+        raise InvalidArgument(f"{who}: {name} must be integer ids, got {t.dtype} "
+                              f"{tuple(t.shape)}")
+    if not t.is_cuda:
+        bad = (t < 0) | (t >= n)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise InvalidArgument(f"{who}: {name}[{i}] = {int(t[i])} is outside [0, {n})")
+    return t.to(torch.int32).to(device)
 
 
 def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[int],
@@ -129,7 +152,10 @@ def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[
     """Whole page groups src[i] -> dst[i] in every plane of a pool."""
     if not planes:
         return
-    s, d = _ids(src, planes[0].device), _ids(dst, planes[0].device)
+    n, dev = _n_pages(planes[0], order), planes[0].device
+    s, d = _ids(src, n, "src", "copy_pages", dev), _ids(dst, n, "dst", "copy_pages", dev)
+    if s.shape != d.shape:
+        raise InvalidArgument(f"copy_pages: {len(s)} source and {len(d)} destination pages")
     for t in planes:
         v = plane_view(t, order, torch.int64)
         _copy(v, v, s, d, v.shape[3], force_cuda_sim)
@@ -138,9 +164,12 @@ def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[
 def copy_tail(planes: Sequence[torch.Tensor], order: PlaneOrder, src_page: int, dst_page: int,
               columns: int, *, force_cuda_sim: bool = False) -> None:
     """Partial-tail COW: the first ``columns`` token columns of every plane (spec §9.3)."""
-    if not planes or columns <= 0:
+    columns = as_int("copy_tail: columns", columns, lo=0, hi=P)
+    if not planes or columns == 0:
         return
-    s, d = _ids([src_page], planes[0].device), _ids([dst_page], planes[0].device)
+    n, dev = _n_pages(planes[0], order), planes[0].device
+    s = _ids([as_int("copy_tail: src_page", src_page)], n, "src_page", "copy_tail", dev)
+    d = _ids([as_int("copy_tail: dst_page", dst_page)], n, "dst_page", "copy_tail", dev)
     for t in planes:
         v = plane_view(t, order, torch.uint8)
         _copy(v, v, s, d, columns * t.shape[3] * t.element_size(), force_cuda_sim)
@@ -158,10 +187,13 @@ def host_page_bytes(planes: Sequence[torch.Tensor], order: PlaneOrder) -> int:
 def _host_views(planes: Sequence[torch.Tensor], order: PlaneOrder,
                 host: torch.Tensor) -> list[torch.Tensor]:
     """Per-plane strided int64 views into a packed host buffer ``host[n_pages, page_bytes]``."""
+    if host.dtype != torch.uint8 or host.dim() != 2 or not host.is_contiguous():
+        raise InvalidArgument(f"host pages must be a contiguous uint8 [n, page bytes] tensor, "
+                              f"got {host.dtype} {tuple(host.shape)}")
     n, page = host.shape
     if page != host_page_bytes(planes, order):
-        raise ValueError(f"host page of {page} B does not hold these planes "
-                         f"({host_page_bytes(planes, order)} B)")
+        raise InvalidArgument(f"host page of {page} B does not hold these planes "
+                              f"({host_page_bytes(planes, order)} B)")
     words = host.view(torch.int64).view(-1)
     pw = page // 8
     out = []
@@ -184,10 +216,10 @@ def pack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, page_ids: Sequ
     if not planes or len(page_ids) == 0:
         return
     dev = planes[0].device
+    s = _ids(page_ids, _n_pages(planes[0], order), "page_ids", "pack_pages", dev)
+    d = _ids(range(len(page_ids)), host.shape[0], "host pages", "pack_pages", dev)
     stage = host if not use_cuda_kernels(planes[0]) or host.device == dev else \
         torch.empty(host.shape, dtype=torch.uint8, device=dev)
-    s = _ids(page_ids, dev)
-    d = _ids(range(len(page_ids)), dev)
     for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
         _copy(plane_view(t, order, torch.int64), hv, s, d, row_bytes(t) // 8, force_cuda_sim)
     if stage is not host:
@@ -200,8 +232,8 @@ def unpack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, host: torch.
     if not planes or len(page_ids) == 0:
         return
     dev = planes[0].device
+    s = _ids(range(len(page_ids)), host.shape[0], "host pages", "unpack_pages", dev)
+    d = _ids(page_ids, _n_pages(planes[0], order), "page_ids", "unpack_pages", dev)
     stage = host if host.device == dev else host.to(dev, non_blocking=True)
-    s = _ids(range(len(page_ids)), dev)
-    d = _ids(page_ids, dev)
     for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
         _copy(hv, plane_view(t, order, torch.int64), s, d, row_bytes(t) // 8, force_cuda_sim)

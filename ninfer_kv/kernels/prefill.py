@@ -36,6 +36,7 @@ from ninfer_kv.kernels.backend import (
 )
 from ninfer_kv.kernels.checks import (
     attention_options,
+    check_devices,
     check_index,
     check_read_domain,
     check_values,
@@ -140,7 +141,8 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
     check_index(context_lens, "context_lens", "paged_prefill_varlen")
     check_view(view, "paged_prefill_varlen")  # first: what follows reads the view's fields
-    n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)
+    check_devices(view, "paged_prefill_varlen", q=q, table_rows=table_rows)  # the lengths:
+    n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)                # read on the host
     seq = torch.repeat_interleave(torch.arange(len(n)), n)
     within = torch.arange(q.shape[0]) - (torch.cumsum(n, 0) - n)[seq]
     # int64 until checked: a cast first would check (and read) a wrapped row or context
