@@ -177,12 +177,11 @@ def drop_membership(i: int, bundle: int, active: bool, sp_members: np.ndarray,
                     slot_bits: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """``page_life.unref`` of space ``i``'s whole membership (``members_of`` first) in one
     call, for a pool that holds no host replica (Finish without retention, Release): the
-    membership judged, its references dropped (``unref_slots``), then its garbage collected
-    as ``free_dead`` does — a membership names each slot once, so each garbage slot is
-    freed once, and ``unref_slots`` checked every one of them can be. Returns (code, j,
-    page groups freed, the lowest freed or -1, slots freed, the lowest freed or -1): on
-    ``MEMBERS_FAULT`` (``j`` the block, -2 a bad length) or ``UNREF_FAULT`` (``j`` the
-    block) nothing changed."""
+    membership judged, its references dropped (``unref_slots``, which checks that every page
+    left as garbage can be freed), then the garbage collected (``free_dead``).
+    Returns (code, j, page groups freed, the lowest freed or -1, slots freed, the lowest
+    freed or -1): on ``MEMBERS_FAULT`` (``j`` the block, -2 a bad length) or
+    ``UNREF_FAULT`` (``j`` the block) nothing changed."""
     slots, k = membership_of(i, sp_members, sp_nmem, pg_live)
     if k != -1:
         return MEMBERS_FAULT, k, 0, -1, 0, -1
@@ -190,23 +189,18 @@ def drop_membership(i: int, bundle: int, active: bool, sp_members: np.ndarray,
                     pg_device, page_bits, slot_bits)
     if j >= 0:
         return UNREF_FAULT, j, 0, -1, 0, -1
-    freed = n_dead = 0
-    low = low_slot = -1
+    # collect: ``dead_slots`` without its sort (a membership names each slot once), then
+    # ``free_dead``, which cannot refuse: unref_slots checked every garbage page freeable
+    dead = np.empty(slots.shape[0], np.int64)
+    n_dead = 0
+    low_slot = -1
     for k in range(slots.shape[0]):
         s = slots[k]
-        if pg_refs[s] != 0 or pg_pins[s] != 0:
-            continue
-        d = pg_device[s]
-        if d != -1:
-            page_bits[d] = True
-            freed += 1
-            if low < 0 or d < low:
-                low = d
-        pg_device[s] = -1
-        pg_live[s] = False
-        pg_gen[s] += 1
-        slot_bits[s] = True
-        n_dead += 1
-        if low_slot < 0 or s < low_slot:
-            low_slot = s
+        if pg_refs[s] == 0 and pg_pins[s] == 0:
+            dead[n_dead] = s
+            n_dead += 1
+            low_slot = s if low_slot < 0 else min(low_slot, s)
+    j, freed, low, _ = free_dead(dead[:n_dead], pg_live, pg_device, pg_gen, page_bits,
+                                 slot_bits)
+    assert j < 0
     return OK, -1, freed, low, n_dead, low_slot
