@@ -57,30 +57,35 @@ F = TypeVar("F", bound=Callable[..., Any])
 def command(fn: F) -> F:
     """A mutating command of ``KVStore``: all of it happens, or none of it, or the store fails.
 
-    Commands validate, then emit; the emitted events are applied at once and the command's
-    queues for the boundary (device copies, table rows) are filled after. An exception that
-    escapes once the first event reached ``apply`` — ``KeyboardInterrupt`` at Ctrl-C,
-    ``SystemExit`` from a signal handler, ``MemoryError``, a bug — would leave half a command
-    in the state that the next boundary (or ``close``) journals: a page mapped in the state
-    and missing from the block table, a COW tail whose copy never runs. So it fails the store
-    (fail-stop: nothing pending is published, a reopen recovers from the journal). A
-    ``KeyboardInterrupt`` or ``SystemExit`` then reaches the engine unchanged; any other
+    Commands validate, then emit (applied at once), then fill the boundary's queues. An
+    exception escaping once the first event reached ``apply`` — ``KeyboardInterrupt``,
+    ``SystemExit`` from a signal handler, ``MemoryError``, a bug — would leave half a
+    command for the next boundary (or ``close``) to journal: a page mapped in the state and
+    missing from the block table, a COW tail whose copy never runs. So it fails the store
+    (fail-stop: nothing pending is published, a reopen recovers from the journal); a
+    ``KeyboardInterrupt`` or ``SystemExit`` then reaches the engine unchanged, any other
     exception as ``StoreFailed`` from it. An exception before the first event (a typed
     refusal, an interrupt while planning) changed nothing and passes through."""
     @functools.wraps(fn)
     def run(self: StoreCore, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
-        mark = self._applied
-        try:
-            return fn(self, *args, **kwargs)
-        except BaseException as exc:
-            if self._applied == mark or self._failed is not None:
-                raise
-            self._fail(fn.__name__, exc)
-            if not isinstance(exc, Exception):
-                raise
-            raise StoreFailed(f"{fn.__name__} raised after it changed the state; the store "
-                              f"stopped: {self._failed}") from exc
+        return guarded(fn, self, args, kwargs)
     return cast(F, run)
+
+
+def guarded(fn: Callable[..., Any], store: StoreCore, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:  # noqa: ANN401
+    """``command``'s body, looked up at each call (a patch takes effect in decorated ones)."""
+    mark = store._applied
+    try:
+        return fn(store, *args, **kwargs)
+    except BaseException as exc:
+        if store._applied == mark or store._failed is not None:
+            raise
+        store._fail(fn.__name__, exc)
+        if not isinstance(exc, Exception):
+            raise
+        raise StoreFailed(f"{fn.__name__} raised after it changed the state; the store "
+                          f"stopped: {store._failed}") from exc
 
 
 class StoreCore:

@@ -129,3 +129,13 @@ def test_a_snapshot_of_a_newer_schema_is_skipped(tmp_path: Path) -> None:
     assert any("schema major" in why for why in s2.recovery.snapshots_skipped)
     s2.close()
     assert replay(str(tmp_path / "journal")).digest == s2.digest()
+
+
+def test_a_journal_directory_that_cannot_be_made_is_a_journal_error(tmp_path: Path) -> None:
+    """``Journal.open`` without taking the lock (``KVStore.open`` holds it already; a fake
+    file system takes none) creates the directory itself: a path under a regular file is
+    ``JournalError`` naming it (mutation check: this refusal had no test)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(JournalError, match=f"cannot create journal directory {blocker}/j"):
+        Journal.open(str(blocker / "j"), CODEC, lock=False)
