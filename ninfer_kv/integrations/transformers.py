@@ -304,9 +304,10 @@ class _Unit:
 
     def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
                  positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
-                 active: torch.Tensor) -> None:
+                 active: torch.Tensor, ctx: torch.Tensor) -> None:
         self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
-        self.cu, self.end, self.active = cu, end, active
+        self.cu, self.end, self.active = cu, end, active  # end: on the host (bookkeeping)
+        self.ctx = ctx  # the active rows' context lengths, for the kernels
 
     @classmethod
     def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
@@ -318,8 +319,10 @@ class _Unit:
         active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
         cu = torch.zeros(len(active) + 1, dtype=torch.int32)
         cu[1:] = counts[active].cumsum(0)
-        return cls(rows, real, rows[row_of], (start[row_of] + within).to(torch.int32), cu, end,
-                   active)
+        dev = rows.device  # the kernels take their index tensors on the planes' device
+        return cls(rows, real, rows[row_of.to(dev)],
+                   (start[row_of] + within).to(torch.int32).to(dev), cu.to(dev), end,
+                   active.to(dev), end[active].to(torch.int32).to(dev))
 
     def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -331,7 +334,7 @@ class _Unit:
         v = value.transpose(1, 2)[real].float().contiguous()
         q = query.transpose(1, 2)[real].float().contiguous()          # [N, Hq, D]
         append_kv(view, self.flat_rows, self.positions, k, v)
-        rows, ctx = self.rows[self.active], self.end[self.active].to(torch.int32)
+        rows, ctx = self.rows[self.active], self.ctx
         if q.shape[0] == len(self.active):                            # one token per row
             o = paged_decode(q, view, rows, ctx, sm_scale=scaling)
         else:

@@ -344,6 +344,8 @@ def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: t
     check_values(q, "q", "paged_prefill", 4)
     check_index(table_rows, "table_rows", "paged_prefill")
     check_index(start, "start", "paged_prefill")
+    check_view(view, "paged_prefill")  # what follows reads the view's fields and devices
+    check_devices(view, "paged_prefill", q=q, table_rows=table_rows, start=start)
     n_rows, t, hq, d = q.shape
     if table_rows.shape != (n_rows,):
         raise InvalidArgument(f"paged_prefill: table_rows {tuple(table_rows.shape)} must be "

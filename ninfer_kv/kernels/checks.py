@@ -73,6 +73,9 @@ def check_view(view: Any, who: str) -> None:
                               f"PlaneOrder, got {view.storage!r} and {view.order!r}")
     as_int(f"{who}: view num_kv_heads", view.num_kv_heads, lo=1)
     as_int(f"{who}: view head_dim", view.head_dim, lo=1)
+    if not tables.is_contiguous():  # its memory is then one range, which the overlap check sees
+        raise InvalidArgument(f"{who}: block table {tuple(tables.shape)} has strides "
+                              f"{tables.stride()}, not the closed strides of its shape (§12.4)")
     n_pages = None
     spans: list[tuple[str, torch.Tensor]] = [("block table", tables)]
     for side, codec in zip(("k", "v"), view.storage.codecs, strict=True):
@@ -125,13 +128,17 @@ def _refuse_overlap(spans: list[tuple[str, torch.Tensor]], who: str) -> None:
 
 
 def check_devices(view: Any, who: str, **tensors: torch.Tensor) -> None:
-    """Every op input on the device of the view's planes and table (§12.4: the execution
-    envelope), refused by name — not a ``TypeError`` from inside a launch."""
+    """Every plane, the table and every op input on one device (§12.4: the execution
+    envelope), refused by name — not a ``TypeError`` from inside a launch, nor a host check
+    skipped because one input is on CUDA while the kernels run on the CPU."""
     dev = view.k_pages.device
-    for name, t in (("block table", view.block_tables), *tensors.items()):
-        if t.device != dev:
-            raise InvalidArgument(f"{who}: {name} is on {t.device}, the view's planes on "
-                                  f"{dev}")
+    parts = [("v_code plane", view.v_pages), ("k_scale plane", view.k_scale_pages),
+             ("v_scale plane", view.v_scale_pages), ("block table", view.block_tables),
+             *tensors.items()]
+    for name, t in parts:
+        if t is not None and t.device != dev:
+            raise InvalidArgument(f"{who}: {name} is on {t.device}, the view's k_code plane "
+                                  f"on {dev}")
 
 
 def on_host(view: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

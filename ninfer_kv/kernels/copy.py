@@ -125,8 +125,15 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: 
         _copy_cpu(*args)
 
 
-def _n_pages(t: torch.Tensor, order: PlaneOrder) -> int:
-    return t.shape[0] if order is PlaneOrder.PAGE_MAJOR else t.shape[1]
+def _n_pages(planes: Sequence[torch.Tensor], order: Any, who: str) -> int:
+    """The page-group count every plane of a pool shares (the copies write every plane)."""
+    if not isinstance(order, PlaneOrder):
+        raise InvalidArgument(f"{who}: order must be a PlaneOrder, got {order!r}")
+    counts = {t.shape[0 if order is PlaneOrder.PAGE_MAJOR else 1] for t in planes}
+    if len(counts) != 1:
+        raise InvalidArgument(f"{who}: the planes hold {sorted(counts)} page groups; a page "
+                              "group spans every plane of a pool (§4.2)")
+    return counts.pop()
 
 
 def _ids(ids: Sequence[int] | torch.Tensor, n: int, name: str, who: str,
@@ -135,7 +142,12 @@ def _ids(ids: Sequence[int] | torch.Tensor, n: int, name: str, who: str,
     bounds-check, so a page past the pool is another allocation's memory and -1 the last
     page — else ``InvalidArgument`` naming the first (on the host; a CUDA tensor of ids is
     the caller's, unchecked, as the kernels' other device inputs)."""
-    t = torch.as_tensor(ids if len(ids) else [], dtype=None if len(ids) else torch.int64)
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise InvalidArgument(f"{who}: {name} must be integer ids: {exc}") from None
+    if t.numel() == 0:
+        t = t.to(torch.int64).reshape(0)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
         raise InvalidArgument(f"{who}: {name} must be integer ids, got {t.dtype} "
                               f"{tuple(t.shape)}")
@@ -152,7 +164,7 @@ def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[
     """Whole page groups src[i] -> dst[i] in every plane of a pool."""
     if not planes:
         return
-    n, dev = _n_pages(planes[0], order), planes[0].device
+    n, dev = _n_pages(planes, order, "copy_pages"), planes[0].device
     s, d = _ids(src, n, "src", "copy_pages", dev), _ids(dst, n, "dst", "copy_pages", dev)
     if s.shape != d.shape:
         raise InvalidArgument(f"copy_pages: {len(s)} source and {len(d)} destination pages")
@@ -167,7 +179,7 @@ def copy_tail(planes: Sequence[torch.Tensor], order: PlaneOrder, src_page: int, 
     columns = as_int("copy_tail: columns", columns, lo=0, hi=P)
     if not planes or columns == 0:
         return
-    n, dev = _n_pages(planes[0], order), planes[0].device
+    n, dev = _n_pages(planes, order, "copy_tail"), planes[0].device
     s = _ids([as_int("copy_tail: src_page", src_page)], n, "src_page", "copy_tail", dev)
     d = _ids([as_int("copy_tail: dst_page", dst_page)], n, "dst_page", "copy_tail", dev)
     for t in planes:
@@ -213,11 +225,13 @@ def _host_views(planes: Sequence[torch.Tensor], order: PlaneOrder,
 def pack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, page_ids: Sequence[int],
                host: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
     """Device pages ``page_ids`` (logical order) -> packed host pages ``host[i]`` (D2H)."""
-    if not planes or len(page_ids) == 0:
+    if not planes:
         return
     dev = planes[0].device
-    s = _ids(page_ids, _n_pages(planes[0], order), "page_ids", "pack_pages", dev)
-    d = _ids(range(len(page_ids)), host.shape[0], "host pages", "pack_pages", dev)
+    s = _ids(page_ids, _n_pages(planes, order, "pack_pages"), "page_ids", "pack_pages", dev)
+    if not len(s):
+        return
+    d = _ids(range(len(s)), host.shape[0], "host pages", "pack_pages", dev)
     stage = host if not use_cuda_kernels(planes[0]) or host.device == dev else \
         torch.empty(host.shape, dtype=torch.uint8, device=dev)
     for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
@@ -229,11 +243,14 @@ def pack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, page_ids: Sequ
 def unpack_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, host: torch.Tensor,
                  page_ids: Sequence[int], *, force_cuda_sim: bool = False) -> None:
     """Packed host pages ``host[i]`` -> device pages ``page_ids[i]`` (H2D)."""
-    if not planes or len(page_ids) == 0:
+    if not planes:
         return
     dev = planes[0].device
-    s = _ids(range(len(page_ids)), host.shape[0], "host pages", "unpack_pages", dev)
-    d = _ids(page_ids, _n_pages(planes[0], order), "page_ids", "unpack_pages", dev)
+    d = _ids(page_ids, _n_pages(planes, order, "unpack_pages"), "page_ids", "unpack_pages",
+             dev)
+    if not len(d):
+        return
+    s = _ids(range(len(d)), host.shape[0], "host pages", "unpack_pages", dev)
     stage = host if host.device == dev else host.to(dev, non_blocking=True)
     for t, hv in zip(planes, _host_views(planes, order, stage), strict=True):
         _copy(hv, plane_view(t, order, torch.int64), s, d, row_bytes(t) // 8, force_cuda_sim)

@@ -141,8 +141,9 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
     check_index(context_lens, "context_lens", "paged_prefill_varlen")
     check_view(view, "paged_prefill_varlen")  # first: what follows reads the view's fields
-    check_devices(view, "paged_prefill_varlen", q=q, table_rows=table_rows)  # the lengths:
-    n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)                # read on the host
+    check_devices(view, "paged_prefill_varlen", q=q, table_rows=table_rows,
+                  cu_seqlens=cu_seqlens, context_lens=context_lens)
+    n, ctx = _ragged(q, table_rows, cu_seqlens, context_lens)
     seq = torch.repeat_interleave(torch.arange(len(n)), n)
     within = torch.arange(q.shape[0]) - (torch.cumsum(n, 0) - n)[seq]
     # int64 until checked: a cast first would check (and read) a wrapped row or context

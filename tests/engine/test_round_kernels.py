@@ -629,6 +629,9 @@ def drop_cases(draw):
     else:  # anything
         p.sp_members[0] = draw(st.lists(st.integers(-2, 17), min_size=width, max_size=width))
         p.sp_nmem[0] = draw(st.integers(-1, width + 1))
+    for ids in (p.free_slots, p.free_pages):  # a valid hint: at most the lowest free id
+        free = np.flatnonzero(ids.bits)
+        ids.lo = draw(st.integers(0, int(free[0]) if len(free) else len(ids.bits)))
     return p, draw(st.booleans())
 
 

@@ -20,6 +20,7 @@ from ninfer_kv.kernels import attention
 from ninfer_kv.kernels.attention import paged_prefill
 from ninfer_kv.kernels.checks import check_mapped, check_read_domain
 from ninfer_kv.kernels.copy import copy_pages, copy_tail, host_page_bytes, pack_pages, unpack_pages
+from ninfer_kv.kernels.prefill import paged_prefill_varlen
 
 
 def bf16_view(n: int = 4, heads: int = 1, tables: list[list[int]] | None = None,
@@ -245,5 +246,88 @@ def test_the_store_views_pass_every_check() -> None:
         store.commit(a, "main", 70)
         out = paged_decode(torch.zeros(1, 2, 64), view, rows, torch.tensor([70]))
         assert torch.allclose(out, torch.ones_like(out))
+    finally:
+        store.close()
+
+
+# --- a second review, of the fixes above ---------------------------------------------------------
+def test_every_input_and_plane_is_on_the_planes_device() -> None:
+    """Each named input, and the v plane, on another device than the k plane: refused by
+    name (the v plane reached numpy as a TypeError; a CUDA context_lens with CPU planes made
+    paged_prefill_varlen skip its read check, and the CPU kernel read another row's page
+    through a -1 entry)."""
+    view = bf16_view()
+    meta = lambda t: t.to("meta")  # noqa: E731
+    r, p = torch.tensor([0]), torch.tensor([0])
+    for args, name in (((meta(r), p), "table_rows"), ((r, meta(p)), "positions")):
+        with pytest.raises(InvalidArgument, match=f"append_kv: {name} is on meta"):
+            append_kv(view, *args, one(1), one(1))
+    with pytest.raises(InvalidArgument, match="slot_mapping: table_rows is on meta"):
+        slot_mapping(view, meta(r), p)
+    split = bf16_view(v=torch.zeros(4, 1, 64, 64, dtype=torch.uint16, device="meta"))
+    with pytest.raises(InvalidArgument, match="v_code plane is on meta"):
+        paged_decode(torch.zeros(1, 1, 64), split, r, torch.tensor([1]))
+    cu, ctx = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    for args, name in (((meta(cu), ctx), "cu_seqlens"), ((cu, meta(ctx)), "context_lens")):
+        with pytest.raises(InvalidArgument, match=f"paged_prefill_varlen: {name} is on meta"):
+            paged_prefill_varlen(torch.zeros(1, 1, 64), view, r, *args)
+    with pytest.raises(InvalidArgument, match="paged_prefill: start is on meta"):
+        paged_prefill(torch.zeros(1, 1, 1, 64), view, r, meta(torch.tensor([0])))
+
+
+def test_a_strided_table_is_refused() -> None:
+    """A table whose rows are strided apart (here its row 1 inside the K plane) is one
+    memory range only when contiguous: the overlap check needs that."""
+    k = torch.zeros(4, 1, 64, 64, dtype=torch.uint16)
+    table = k.view(torch.int32).view(-1).as_strided((2, 1), (116, 1))
+    view = PagedKVBatchLayerView(k, torch.zeros_like(k), None, None, table, 64, 1,
+                                 Profile.BF16, PlaneOrder.PAGE_MAJOR)
+    with pytest.raises(InvalidArgument, match="block table .* not the closed strides"):
+        append_kv(view, torch.tensor([0]), torch.tensor([3]), one(1), one(1))
+
+
+def test_page_copies_check_every_plane_and_their_arguments() -> None:
+    """The copies write every plane: a second plane of 2 pages beside a first of 4 was
+    written past its end (heap corruption). The order given as a string copied along the
+    head axis; ids as a 0-d tensor, a numpy scalar or past int64 escaped untyped."""
+    import numpy as np
+
+    order = PlaneOrder.PAGE_MAJOR
+    planes = [torch.zeros(4, 1, 64, 64, dtype=torch.uint16),
+              torch.zeros(2, 1, 64, 64, dtype=torch.uint16)]
+    with pytest.raises(InvalidArgument, match=r"the planes hold \[2, 4\] page groups"):
+        copy_pages(planes, order, [0], [3])
+    with pytest.raises(InvalidArgument, match="page groups"):
+        copy_tail(planes, order, 0, 3, 5)
+    one_plane = planes[:1]
+    with pytest.raises(InvalidArgument, match="order must be a PlaneOrder"):
+        copy_pages(one_plane, "page-major", [0], [1])  # type: ignore[arg-type]
+    for ids in (torch.tensor(1), np.int64(1), [2**70]):
+        with pytest.raises(InvalidArgument, match="copy_pages: dst"):
+            copy_pages(one_plane, order, [0], ids)  # type: ignore[arg-type]
+    host = torch.zeros(2, host_page_bytes(one_plane, order), dtype=torch.uint8)
+    pack_pages(one_plane, order, np.array([], np.int64), host)  # nothing to copy
+    pack_pages(one_plane, order, np.array([1, 2]), host)  # numpy ids: accepted
+
+
+def test_the_transformers_unit_puts_its_index_tensors_on_the_planes_device(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN401
+    """Review finding: the integration built positions, cu_seqlens and context lengths on
+    the CPU whatever the store's device; with the device check a CUDA store's own forward
+    was refused. Stand-in: ``table_rows`` on meta plays the CUDA device."""
+    from ninfer_kv.integrations.transformers import _Unit
+
+    store = KVStore.open(StoreConfig(model=ModelGeometry(layers=1, kv_heads=1, head_dim=64),
+                                     serving=ServingConfig(max_context=256, max_concurrency=2),
+                                     kv_tokens=64 * 8))
+    try:
+        seqs = [store.activate(10, 10), store.activate(5, 10)]
+        real = torch.tensor([[True, True], [True, False]])
+        rows = store.table_rows("main", seqs)
+        monkeypatch.setattr(store, "table_rows", lambda pool, s: rows.to("meta"))
+        unit = _Unit.plan(store, "main", seqs, real, torch.tensor([0, 0]), torch.tensor([2, 1]))
+        for name in ("flat_rows", "positions", "cu", "active", "ctx"):
+            assert getattr(unit, name).device.type == "meta", name
+        assert unit.end.device.type == "cpu"  # the host's bookkeeping stays there
     finally:
         store.close()
