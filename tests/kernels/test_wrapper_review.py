@@ -311,7 +311,7 @@ def test_page_copies_check_every_plane_and_their_arguments() -> None:
 
 
 def test_the_transformers_unit_puts_its_index_tensors_on_the_planes_device(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN401
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Review finding: the integration built positions, cu_seqlens and context lengths on
     the CPU whatever the store's device; with the device check a CUDA store's own forward
     was refused. Stand-in: ``table_rows`` on meta plays the CUDA device."""
@@ -331,3 +331,17 @@ def test_the_transformers_unit_puts_its_index_tensors_on_the_planes_device(
         assert unit.end.device.type == "cpu"  # the host's bookkeeping stays there
     finally:
         store.close()
+
+
+def test_page_copies_refuse_ids_that_are_not_integers_and_a_wrong_host_buffer() -> None:
+    """The copies' argument rules not covered above: ids as floats, bools or a matrix, and a
+    host buffer that is not a contiguous uint8 [n, page bytes] tensor."""
+    order = PlaneOrder.PAGE_MAJOR
+    planes = [torch.zeros(4, 1, 64, 64, dtype=torch.uint16)]
+    for ids in ([1.0], [True], [[1]]):
+        with pytest.raises(InvalidArgument, match="copy_pages: dst must be integer ids"):
+            copy_pages(planes, order, [0], ids)  # type: ignore[arg-type]
+    good = torch.zeros(2, host_page_bytes(planes, order), dtype=torch.uint8)
+    for host in (good.view(torch.int16), good.t(), good.view(-1)):
+        with pytest.raises(InvalidArgument, match="host pages must be a contiguous uint8"):
+            pack_pages(planes, order, [0], host)
