@@ -47,6 +47,9 @@ def check_index(t: Any, name: str, who: str, ndim: int = 1) -> None:
         raise InvalidArgument(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise InvalidArgument(f"{who}: {name} must be an integer tensor, got {t.dtype}")
+    if t.dtype == torch.uint64:  # the checks read indices as int64: 2**63 would wrap negative
+        raise InvalidArgument(f"{who}: {name} must be a signed or 8/16/32-bit integer "
+                              "tensor, got torch.uint64 (values from 2**63 have no int64 form)")
     if t.dim() != ndim:
         raise InvalidArgument(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
 

@@ -345,3 +345,19 @@ def test_page_copies_refuse_ids_that_are_not_integers_and_a_wrong_host_buffer() 
     for host in (good.view(torch.int16), good.t(), good.view(-1)):
         with pytest.raises(InvalidArgument, match="host pages must be a contiguous uint8"):
             pack_pages(planes, order, [0], host)
+
+
+def test_uint64_indices_are_refused_by_their_dtype() -> None:
+    """The checks read index tensors as int64: a uint64 row of 2**63 wrapped to -2**63 and
+    was refused under that name. uint64 is refused by its dtype, before any value is read;
+    the other integer dtypes are taken."""
+    view = bf16_view()
+    q = torch.zeros(1, 1, 64)
+    big = torch.tensor([2 ** 63], dtype=torch.uint64)
+    with pytest.raises(InvalidArgument, match=r"table_rows must be .*got torch.uint64"):
+        paged_decode(q, view, big, torch.tensor([1]))
+    with pytest.raises(InvalidArgument, match=r"context_lens must be .*got torch.uint64"):
+        paged_decode(q, view, torch.tensor([0]), torch.tensor([1], dtype=torch.uint64))
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.uint32):
+        paged_decode(q, view, torch.tensor([0], dtype=dtype), torch.tensor([1], dtype=dtype),
+                     n_split=1)
