@@ -8,6 +8,9 @@ mutant, listed with its reason in ``EQUIVALENT``).
     .venv/bin/python benchmarks/mutation_check.py --match commit_many --no-tier2 -v
     .venv/bin/python benchmarks/mutation_check.py --ids /tmp/ninfer-mutation-X/survivors.txt
 
+Each run's pytest temp dirs (host arena files: ~4 GB for one run of a tier-1 test set) are
+removed as it ends; ``--keep-temp`` keeps them. Logs stay in ``--workdir``.
+
 It prints one line per mutant (killed / killed by error / survived, seconds), then
 ``mutants=N killed=K survived=[id, ...]`` and the known-equivalent survivors ("justified",
 not counted as survived). Exit status 0 iff no unjustified survivor; 2, before any run, when
@@ -670,6 +673,7 @@ class Job:
     start: float
     log: str
     timeout: float
+    tmp: str = ""          # its pytest --basetemp (host arena files: GBs over a run)
 
 
 @dataclass
@@ -683,14 +687,14 @@ class Outcome:
 def start_job(m: Mutant | None, tier: int, tests: list[str], extra: list[str], workdir: str,
               timeout: float, n: int) -> Job:
     log = os.path.join(workdir, f"m{n:04d}-t{tier}.log")
-    args = [*tests, "-x", *PYTEST_OPTS, "--basetemp", os.path.join(workdir, f"tmp{n:04d}-t{tier}"),
-            *extra]
+    tmp = os.path.join(workdir, f"tmp{n:04d}-t{tier}")
+    args = [*tests, "-x", *PYTEST_OPTS, "--basetemp", tmp, *extra]
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         _child(m, args, log)
-    return Job(m, tier, pid, time.monotonic(), log, timeout)
+    return Job(m, tier, pid, time.monotonic(), log, timeout, tmp)
 
 
 def _kill(job: Job) -> None:
@@ -889,6 +893,8 @@ def run(plan: Plan, a: argparse.Namespace, workdir: str) -> dict[str, Outcome]:
                 if res is None:
                     continue
                 running.remove(job)
+                if not a.keep_temp:  # a run of every mutant kept ~40 GB of them otherwise
+                    shutil.rmtree(job.tmp, ignore_errors=True)
                 m = job.mutant
                 assert m is not None
                 status, detail = res
@@ -970,6 +976,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-tier2", action="store_true", help="tier 1 only (faster; more survivors)")
     ap.add_argument("--tier2-k", default=TIER2_K, help="pytest -k for tier 2 ('' for all)")
     ap.add_argument("--workdir", help="logs and temp dirs (default: a new /tmp dir)")
+    ap.add_argument("--keep-temp", action="store_true",
+                    help="keep each mutant's pytest temp dir (removed when it ends otherwise)")
     ap.add_argument("--no-snapshot", action="store_true",
                     help="test the working tree itself, not a copy taken at start (edits made "
                          "during the run then race with it)")
@@ -1013,6 +1021,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = ["-k", a.tier2_k] if tier == 2 and a.tier2_k else []
         t = time.monotonic()
         base = baseline(files, extra, workdir, f"tier{tier}")
+        if not a.keep_temp:
+            shutil.rmtree(os.path.join(workdir, f"base-tier{tier}"), ignore_errors=True)
         plan.dropped.update(b.split("::")[0] for b in base.broken)
         plan.dropped.update(f for f in files if f not in base.passed)  # nothing left to run
         plan.extra[tier] = extra + [f"--deselect={n}" for n in base.failed]
@@ -1026,6 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          a.timeout, 9999)
         while (res := poll(sane)) is None:
             time.sleep(0.05)
+        if not a.keep_temp:
+            shutil.rmtree(sane.tmp, ignore_errors=True)
         if res[0] != "survived":
             print(f"sanity run (no mutant) failed: {res}\n{tail(sane.log, 40)}", file=sys.stderr)
             return 2
