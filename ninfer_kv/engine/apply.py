@@ -20,7 +20,7 @@ from ninfer_kv.engine import apply_host as ah
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.layout import P
-from ninfer_kv.engine.page_life import I64, members_of, new_members, unref
+from ninfer_kv.engine.page_life import I64, drop_membership, members_of, new_members
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -153,9 +153,10 @@ def _trim(st: StoreState, e: ev.Trim) -> None:
     sp = pool.spaces[e.bundle]
     assert e.keep >= 0 and e.keep * P >= sp.committed, \
         f"Trim of seq {e.bundle} to {e.keep} pages: below its committed frontier {sp.committed}"
-    dropped = members_of(pool, sp, "Trim")[e.keep:]
-    unref(st, pool, dropped, e.bundle, sp.active)  # refuses a lost reference first
-    sp.trim_members(e.keep)
+    # the membership judged whole, the references of its blocks from ``keep`` dropped (a
+    # lost one refused first, nothing changed), the garbage collected: one compiled call
+    drop_membership(st, pool, sp, e.bundle, sp.active, "Trim", keep=e.keep)
+    dropped = sp.trim_members(e.keep)
     if sp.active:
         pool.reserved += len(dropped)  # back to the same reservation, not to global capacity
 

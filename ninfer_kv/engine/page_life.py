@@ -70,17 +70,19 @@ def _cannot_drop(pool: PoolState, bundle: int, slot: int) -> str:
 
 
 def drop_membership(st: StoreState, pool: PoolState, sp: KVAddressSpace, bundle: int,
-                    active: bool, what: str) -> None:
-    """``unref`` of ``sp``'s whole membership (read through ``members_of``): one compiled
-    call (``page_life_kernels.drop_membership``) when the pool holds no host replica, else
-    those two steps (a host replica's arena extent is freed here, in Python). Refuses as
-    they do, with nothing changed."""
+                    active: bool, what: str, keep: int = 0) -> None:
+    """``unref`` of ``sp``'s membership from block ``keep`` on (the whole read through
+    ``members_of``; ``keep`` >= 0): one compiled call (``page_life_kernels.drop_membership``)
+    when the pool holds no host replica, else those two steps (a host replica's arena extent
+    is freed here, in Python). Refuses as they do, with nothing changed. The membership's
+    length is unchanged (Trim cuts it after)."""
+    assert keep >= 0, f"{what} of seq {bundle}: keep {keep} < 0"
     if pool.host_of:
-        unref(st, pool, members_of(pool, sp, what), bundle, active)
+        unref(st, pool, members_of(pool, sp, what)[keep:], bundle, active)
         return
     fs, fp = pool.free_slots, pool.free_pages
     code, j, freed, low, n_dead, low_slot = plk.drop_membership(
-        sp.i, bundle, active, pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
+        sp.i, keep, bundle, active, pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
         pool.pg_active, pool.pg_writer, pool.pg_pins, pool.pg_device, pool.pg_gen, fp.bits,
         fs.bits)
     if code == plk.MEMBERS_FAULT:

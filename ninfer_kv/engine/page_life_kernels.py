@@ -170,25 +170,28 @@ def membership_of(i: int, sp_members: np.ndarray, sp_nmem: np.ndarray, pg_live: 
 
 
 @njit(nogil=True)
-def drop_membership(i: int, bundle: int, active: bool, sp_members: np.ndarray,
+def drop_membership(i: int, keep: int, bundle: int, active: bool, sp_members: np.ndarray,
                     sp_nmem: np.ndarray, pg_live: np.ndarray, pg_refs: np.ndarray,
                     pg_active: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
                     pg_device: np.ndarray, pg_gen: np.ndarray, page_bits: np.ndarray,
                     slot_bits: np.ndarray) -> tuple[int, int, int, int, int, int]:
-    """``page_life.unref`` of space ``i``'s whole membership (``members_of`` first) in one
-    call, for a pool that holds no host replica (Finish without retention, Release): the
-    membership judged, its references dropped (``unref_slots``, which checks that every page
-    left as garbage can be freed), then the garbage collected (``free_dead``).
-    Returns (code, j, page groups freed, the lowest freed or -1, slots freed, the lowest
-    freed or -1): on ``MEMBERS_FAULT`` (``j`` the block, -2 a bad length) or
-    ``UNREF_FAULT`` (``j`` the block) nothing changed."""
-    slots, k = membership_of(i, sp_members, sp_nmem, pg_live)
+    """``page_life.unref`` of the blocks from ``keep`` (>= 0) of space ``i``'s membership
+    (``members_of`` of the whole first) in one call, for a pool that holds no host replica
+    (Finish without retention and Release: ``keep`` 0; Trim): the membership judged, the
+    references of its blocks from ``keep`` dropped (``unref_slots``, which checks that every
+    page left as garbage can be freed), then the garbage collected (``free_dead``). The
+    membership's length is the caller's to cut. Returns (code, j, page groups freed, the
+    lowest freed or -1, slots freed, the lowest freed or -1): on ``MEMBERS_FAULT`` (``j`` the
+    block, -2 a bad length) or ``UNREF_FAULT`` (``j`` the block) nothing changed."""
+    whole, k = membership_of(i, sp_members, sp_nmem, pg_live)
     if k != -1:
         return MEMBERS_FAULT, k, 0, -1, 0, -1
+    keep = min(keep, whole.shape[0])
+    slots = whole[keep:]
     j = unref_slots(slots, bundle, active, pg_live, pg_refs, pg_active, pg_writer, pg_pins,
                     pg_device, page_bits, slot_bits)
     if j >= 0:
-        return UNREF_FAULT, j, 0, -1, 0, -1
+        return UNREF_FAULT, keep + j, 0, -1, 0, -1
     # collect: ``dead_slots`` without its sort (a membership names each slot once), then
     # ``free_dead``, which cannot refuse: unref_slots checked every garbage page freeable
     dead = np.empty(slots.shape[0], np.int64)

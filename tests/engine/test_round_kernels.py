@@ -648,24 +648,44 @@ def _same(a: dict[str, object], b: dict[str, object]) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in a)  # type: ignore[arg-type]
 
 
-@settings(max_examples=400, deadline=None)
-@given(drop_cases())
-def test_drop_membership_is_members_of_then_unref(case) -> None:
-    """The fused Finish/Release page half (``page_life.drop_membership``: one compiled call)
-    against the two steps it replaces (``members_of``, then ``unref`` with its
-    ``collect``): both refuse, changing nothing, or both reach the same arrays and free
-    lists."""
+def _sound_pool(no_ref_block: int = -1) -> PoolState:
+    """Space 0 (seq 3) holds slots 5, 6, 7, 8 (page groups 1-4), one reference each, no
+    pin; block ``no_ref_block`` (if any) has lost its reference (a damaged state)."""
+    p = PoolState("main", 16, 2, 8)
+    p.n_slots = 16
+    for ids, free in ((p.free_slots, [0, 1, 2, 3, 4, 9]), (p.free_pages, [0, 5, 6])):
+        ids.bits[:] = False
+        ids.n = ids.lo = 0
+        ids.give(np.array(free, I64))
+    for k, s in enumerate((5, 6, 7, 8)):
+        p.pg_live[s], p.pg_device[s], p.pg_refs[s], p.pg_active[s] = True, k + 1, 1, 1
+    if no_ref_block >= 0:
+        p.pg_refs[5 + no_ref_block] = 0
+    p.sp_members[0, :4] = [5, 6, 7, 8]
+    p.sp_nmem[0] = 4
+    return p
+
+
+@settings(max_examples=500, deadline=None)
+@given(drop_cases(), st.one_of(st.just(0), st.integers(0, 10)))
+@example(case=(_sound_pool(), True), keep=2)  # a Trim that frees the tail
+@example(case=(_sound_pool(no_ref_block=3), True), keep=2)  # refused: names block 3's slot
+def test_drop_membership_is_members_of_then_unref(case, keep: int) -> None:
+    """The fused Finish/Release/Trim page half (``page_life.drop_membership``: one compiled
+    call) against the two steps it replaces (``members_of``, then ``unref`` of the blocks
+    from ``keep`` with its ``collect``): both refuse, changing nothing, or both reach the
+    same arrays and free lists."""
     p, active = case
     q = copy.deepcopy(p)
     before = _arrays(p)
     sp, sq = _Space(p), _Space(q)
     try:
-        page_life.unref(None, q, page_life.members_of(q, sq, "Release"), 3, active)
+        page_life.unref(None, q, page_life.members_of(q, sq, "Release")[keep:], 3, active)
         want = None
     except ValueError as exc:
         want = exc
     try:
-        page_life.drop_membership(None, p, sp, 3, active, "Release")
+        page_life.drop_membership(None, p, sp, 3, active, "Release", keep=keep)
         got = None
     except ValueError as exc:
         got = exc
