@@ -114,8 +114,8 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
                  "journal/restore.py",
                  "journal/reader.py", "kernels/checks.py", "kernels/append.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
-                 "integrations/transformers.py", "dist/replica.py", "dist/follower.py",
-                 "dist/stream.py", "dist/standby.py", "cache/preemption.py")
+                 "integrations/transformers.py", "integrations/hf_served.py", "dist/replica.py",
+                 "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -129,6 +129,7 @@ TARGETS: tuple[Target, ...] = (
                                         "drop_device", "drop_host", "drops_after_publish",
                                         "drops_after_unpin")),
     Target("engine/decode.py", "filter", ("writable",)),
+    Target("integrations/hf_served.py", "filter", ops=("guard",)),  # what the attention serves
     # the transfer's refusals that in-process tests reach (the rest need two ranks)
     Target("dist/transfer.py", "raise", ("recv_control",)),
     Target("dist/receive.py", "raise", ("_check_header",)),
@@ -182,7 +183,8 @@ OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/kernels/test_stor
 
 TESTS: list[tuple[str, list[str], list[str]]] = [
     # (module glob, tier 1, tier-2 head); the first matching glob wins
-    ("integrations/*.py", ["tests/integrations/test_transformers.py"], []),
+    ("integrations/*.py", ["tests/integrations/test_transformers.py",
+                           "tests/integrations/test_hf_review.py"], []),
     # in-process tests only: a mutant is installed in this process, not in spawned ranks
     *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py",
                      "tests/dist/test_replica_host.py", "tests/dist/test_standby.py"],

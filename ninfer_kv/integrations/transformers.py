@@ -23,14 +23,15 @@ the store's frontiers count real tokens only.
 
 The attention function finds its cache through a context variable that ``Cache.update`` sets
 (models call ``cache.update`` for a layer right before that layer's attention), and checks
-that the layer and the batch match. Beam search (``reorder_cache``) and ``crop`` are refused.
+that the layer and the batch match. What it does not serve (beam search, ``crop``, windows
+and chunks, hybrid and MLA models, autograd, ...) is refused before a row is admitted
+(integrations/hf_served.py).
 Tested with transformers 5.x (``pip install ninfer-kv[hf]``).
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -44,9 +45,13 @@ from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import EntitlementExceeded, InvalidArgument, UnsupportedOperation
-from ninfer_kv.kernels.append import append_kv
-from ninfer_kv.kernels.attention import paged_decode
-from ninfer_kv.kernels.prefill import paged_prefill_varlen
+from ninfer_kv.integrations.hf_served import (
+    refuse,
+    unserved_call,
+    unserved_head_dim,
+    unserved_layers,
+)
+from ninfer_kv.integrations.hf_unit import Unit as _Unit
 
 log = structlog.get_logger(__name__)
 
@@ -66,9 +71,16 @@ def store_config_for(model_config: Any, *, max_context: int, max_concurrency: in
                      profile: str = "bf16", kv_tokens: int | None = None,
                      **store: Any) -> StoreConfig:
     """A ``StoreConfig`` whose geometry is the model's: layers, KV heads, head dim. Default
-    ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``)."""
+    ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``).
+    A model the ``ninfer_kv`` attention does not serve (integrations/hf_served.py) is
+    refused here, before a store is sized for it."""
+    if getattr(model_config, "kv_lora_rank", None) is not None:
+        raise UnsupportedOperation("store_config_for: multi-head latent attention (kv_lora_rank"
+                                   f"={model_config.kv_lora_rank}) is not served")
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    refuse("store_config_for", unserved_head_dim(head_dim))
+    refuse("store_config_for", unserved_layers(model_config, max_context))
     geometry = ModelGeometry(layers=model_config.num_hidden_layers,
                              kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
                              head_dim=head_dim, profile=profile, mtp_layers=0)
@@ -167,24 +179,44 @@ class NinferKVCache(Cache):
     # --- transformers' Cache API ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._key is not None:  # the last update's K/V never reached our attention
+            layer, self._key = self._layer, None
+            raise InvalidArgument(
+                f"NinferKVCache: layer {layer}'s K/V never reached the ninfer_kv attention: the "
+                "model attends with another implementation, which would read only the new "
+                "tokens (set attn_implementation='ninfer_kv' after register()); after a failed "
+                "forward call cache.abort()")
         self._layer = layer_idx
         self._key = key_states        # the attention call must receive exactly this tensor
         _CURRENT.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    _HELD = " (this cache's rows stay active until cache.finish())"
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedOperation("NinferKVCache: beam search reorders rows; fork sequences "
-                                   "with store.activate_from instead")
+                                   "with store.activate_from instead" + self._HELD)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedOperation("NinferKVCache.crop: use store.truncate on the sequences")
+        raise UnsupportedOperation("NinferKVCache.crop: use store.truncate on the sequences"
+                                   + self._HELD)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise UnsupportedOperation("NinferKVCache: num_return_sequences > 1 / beams need one "
-                                   "sequence per row; give generate the repeated batch")
+                                   "sequence per row; give generate the repeated batch"
+                                   + self._HELD)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise UnsupportedOperation("NinferKVCache: selecting rows would drop sequences")
+        raise UnsupportedOperation("NinferKVCache: selecting rows would drop sequences"
+                                   + self._HELD)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NinferKVCache:
+        raise UnsupportedOperation("NinferKVCache cannot be copied: its rows are sequences of "
+                                   "one store (a copy would clone the store); reuse a prompt "
+                                   "with finish(retain=True) and NinferKVCache(store, "
+                                   "prefix=(checkpoint, frontier))")
+
+    __copy__ = __reduce__ = lambda self: self.__deepcopy__({})  # noqa: E731
 
     # --- the store's side -------------------------------------------------------------------------
     def finish(self, retain: bool = False) -> list[int | None]:
@@ -207,6 +239,7 @@ class NinferKVCache(Cache):
         continues; feeding the step again after such a commit would write its tokens' K/V a
         second time."""
         ending, self._ending = self._ending, None
+        self._key = None
         if self._unit is not None or ending is not None:
             self._unit = None
             self.store.unit_complete()  # idempotent: _end may have run it already
@@ -227,6 +260,9 @@ class NinferKVCache(Cache):
         self._budget = []
         for n in new.tolist():
             prompt = n + (self.prefix[1] if self.prefix else 0)
+            if prompt > limit:
+                raise InvalidArgument(f"NinferKVCache: a row's prompt of {prompt} tokens is "
+                                      f"longer than the store's max_context={limit}")
             out = limit - prompt if self.max_new_tokens is None else self.max_new_tokens
             self._budget.append(prompt + out)
             if self.prefix is None:
@@ -299,51 +335,6 @@ class NinferKVCache(Cache):
         self._ending = None
 
 
-class _Unit:
-    """One forward's plan: the real tokens of each row, flattened in row order."""
-
-    def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
-                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
-                 active: torch.Tensor, ctx: torch.Tensor) -> None:
-        self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
-        self.cu, self.end, self.active = cu, end, active  # end: on the host (bookkeeping)
-        self.ctx = ctx  # the active rows' context lengths, for the kernels
-
-    @classmethod
-    def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
-             start: torch.Tensor, end: torch.Tensor) -> _Unit:
-        rows = store.table_rows(pool, seqs)
-        counts = end - start
-        row_of = torch.arange(len(seqs)).unsqueeze(1).expand_as(real)[real]
-        within = real.long().cumsum(1)[real] - 1
-        active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
-        cu = torch.zeros(len(active) + 1, dtype=torch.int32)
-        cu[1:] = counts[active].cumsum(0)
-        dev = rows.device  # the kernels take their index tensors on the planes' device
-        return cls(rows, real, rows[row_of.to(dev)],
-                   (start[row_of] + within).to(torch.int32).to(dev), cu.to(dev), end,
-                   active.to(dev), end[active].to(torch.int32).to(dev))
-
-    def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Append this layer's K/V of the real tokens, attend, and scatter back to
-        [B, T, Hq, D] (padding queries get zeros: nothing reads them)."""
-        view = store.batch_view(pool, layer)
-        real = self.real
-        k = key.transpose(1, 2)[real].float().contiguous()            # [N, Hkv, D]
-        v = value.transpose(1, 2)[real].float().contiguous()
-        q = query.transpose(1, 2)[real].float().contiguous()          # [N, Hq, D]
-        append_kv(view, self.flat_rows, self.positions, k, v)
-        rows, ctx = self.rows[self.active], self.ctx
-        if q.shape[0] == len(self.active):                            # one token per row
-            o = paged_decode(q, view, rows, ctx, sm_scale=scaling)
-        else:
-            o = paged_prefill_varlen(q, view, rows, self.cu, ctx, sm_scale=scaling)
-        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        out[real] = o.to(query.dtype)
-        return out
-
-
 def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: torch.Tensor | None,
                         scaling: float | None = None, dropout: float = 0.0,
@@ -354,22 +345,22 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     cache = _CURRENT.get()
     layer = getattr(module, "layer_idx", None)
     if cache is None or layer != cache._layer or key is not cache._key:
+        if cache is not None and layer == cache._layer and cache._key is not None:
+            cache._key = None
+            raise UnsupportedOperation(
+                f"ninfer_kv attention (layer {layer}): the key is not the one the model gave "
+                "NinferKVCache.update: a model that changes K/V after the cache (e.g. "
+                "multi-head latent attention) is not served")
         raise InvalidArgument(f"ninfer_kv attention (layer {layer}): no NinferKVCache updated "
                               "this layer in this forward; pass cache=NinferKVCache(store) to the "
                               "model")
     cache._key = None                 # one attention call per update
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedOperation(f"ninfer_kv attention: {name} (logit soft-capping / "
-                                       "attention sinks) is not served")
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or getattr(
-        getattr(module, "config", None), "sliding_window", None)
-    if window is not None and window < cache.store.config.serving.max_context:
-        raise UnsupportedOperation(f"ninfer_kv attention: sliding_window={window} < "
-                                   f"max_context={cache.store.config.serving.max_context}; "
-                                   "only full attention is served")
-    if dropout:
-        raise UnsupportedOperation(f"ninfer_kv attention: dropout={dropout} (inference only)")
+    max_context = cache.store.config.serving.max_context
+    refuse("ninfer_kv attention", unserved_call(module, query, key, value, dropout, kwargs,
+                                                max_context))
+    if layer == 0:  # the model's layers, before the first one admits rows
+        refuse("ninfer_kv attention", unserved_layers(getattr(module, "config", None),
+                                                      max_context))
     n_layers = len(cache.layers)
     unit = cache._unit
     model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", n_layers)

@@ -1,0 +1,77 @@
+"""What the transformers drop-in serves, checked before a forward touches the store.
+
+The ``ninfer_kv`` attention is full causal attention over the store's pages, for inference:
+the bundled kernels read every committed token of a row (no window, no chunk), have no
+backward, return no attention weights, and take head dims the decode kernel takes (a
+multiple of 32, at most 256). Anything else is refused with a typed error naming it —
+never served as a different attention (silently wrong logits) and never refused only after
+rows were admitted. Each check returns the refusal's reason, or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ninfer_kv.errors import UnsupportedOperation
+
+ATTENTION_LAYERS = ("full_attention", "attention")
+"""``layer_types`` / ``layers_block_type`` entries that are plain causal attention."""
+
+
+def unserved_layers(config: Any, max_context: int) -> str | None:  # noqa: ANN401
+    """A model whose layers are not all causal attention that sees every earlier token within
+    ``max_context``: a chunked attention (Llama4's ``attention_chunk_size``), or a layer that
+    is no attention at all (convolution, linear attention, Mamba: hybrid models keep state
+    this cache does not hold). Sliding-window layers are judged per layer
+    (``unserved_call``), by their window."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and chunk < max_context:
+        return (f"attention_chunk_size={chunk} < max_context={max_context} (chunked_attention "
+                "is not served)")
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    for i, kind in enumerate(types or ()):
+        if kind == "chunked_attention" and chunk is not None:
+            continue  # a chunk as long as the context: every earlier token is seen
+        if kind not in (*ATTENTION_LAYERS, "sliding_attention"):
+            return (f"layer {i} is {kind!r} (only full causal attention, or a window of at "
+                    f"least max_context={max_context}, is served)")
+    return None
+
+
+def unserved_head_dim(head_dim: int) -> str | None:
+    if head_dim % 32 or not 0 < head_dim <= 256:
+        return (f"head_dim={head_dim}: the bundled attention kernels take a multiple of 32, "
+                "at most 256")
+    return None
+
+
+def unserved_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, dropout: float, kwargs: dict[str, Any],
+                  max_context: int) -> str | None:
+    """What one attention call asks for that the store's attention does not do."""
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            return f"{name} (logit soft-capping / attention sinks) is not served"
+    config = getattr(module, "config", None)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or \
+        getattr(config, "sliding_window", None)
+    if window is not None and window < max_context:
+        return (f"sliding_window={window} < max_context={max_context}; only full attention "
+                "is served")
+    if dropout:
+        return f"dropout={dropout} (inference only)"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        return ("autograd is on and q/k/v require grad, but the store's attention has no "
+                "backward (inference only: run under torch.no_grad() or "
+                "torch.inference_mode())")
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True: the paged kernels compute no attention weights"
+    return unserved_head_dim(query.shape[-1])
+
+
+def refuse(what: str, reason: str | None) -> None:
+    if reason is not None:
+        raise UnsupportedOperation(f"{what}: {reason}")

@@ -1,0 +1,60 @@
+"""One forward of the transformers drop-in as a GPU unit of the store (spec §8.4): which
+columns of each row are real tokens, where they go (table rows, positions), and each layer's
+append + attention over the pages (``append_kv``, then ``paged_decode`` for one token per
+row or ``paged_prefill_varlen``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ninfer_kv.engine.store import KVStore
+from ninfer_kv.kernels.append import append_kv
+from ninfer_kv.kernels.attention import paged_decode
+from ninfer_kv.kernels.prefill import paged_prefill_varlen
+
+
+class Unit:
+    """One forward's plan: the real tokens of each row, flattened in row order."""
+
+    def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
+                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
+                 active: torch.Tensor, ctx: torch.Tensor) -> None:
+        self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
+        self.cu, self.end, self.active = cu, end, active  # end: on the host (bookkeeping)
+        self.ctx = ctx  # the active rows' context lengths, for the kernels
+
+    @classmethod
+    def plan(cls, store: KVStore, pool: str, seqs: Sequence[int], real: torch.Tensor,
+             start: torch.Tensor, end: torch.Tensor) -> Unit:
+        rows = store.table_rows(pool, seqs)
+        counts = end - start
+        row_of = torch.arange(len(seqs)).unsqueeze(1).expand_as(real)[real]
+        within = real.long().cumsum(1)[real] - 1
+        active = torch.nonzero(counts > 0).flatten()   # rows with at least one new token
+        cu = torch.zeros(len(active) + 1, dtype=torch.int32)
+        cu[1:] = counts[active].cumsum(0)
+        dev = rows.device  # the kernels take their index tensors on the planes' device
+        return cls(rows, real, rows[row_of.to(dev)],
+                   (start[row_of] + within).to(torch.int32).to(dev), cu.to(dev), end,
+                   active.to(dev), end[active].to(torch.int32).to(dev))
+
+    def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Append this layer's K/V of the real tokens, attend, and scatter back to
+        [B, T, Hq, D] (padding queries get zeros: nothing reads them)."""
+        view = store.batch_view(pool, layer)
+        real = self.real
+        k = key.transpose(1, 2)[real].float().contiguous()            # [N, Hkv, D]
+        v = value.transpose(1, 2)[real].float().contiguous()
+        q = query.transpose(1, 2)[real].float().contiguous()          # [N, Hq, D]
+        append_kv(view, self.flat_rows, self.positions, k, v)
+        rows, ctx = self.rows[self.active], self.ctx
+        if q.shape[0] == len(self.active):                            # one token per row
+            o = paged_decode(q, view, rows, ctx, sm_scale=scaling)
+        else:
+            o = paged_prefill_varlen(q, view, rows, self.cu, ctx, sm_scale=scaling)
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        out[real] = o.to(query.dtype)
+        return out
