@@ -112,10 +112,11 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "journal/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/restore.py",
-                 "journal/reader.py", "kernels/checks.py", "kernels/append.py",
+                 "journal/reader.py", "kernels/checks.py", "kernels/append.py", "kernels/copy.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "integrations/hf_served.py", "dist/replica.py",
-                 "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py")
+                 "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py",
+                 "cache/index.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -173,7 +174,8 @@ JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py
            "tests/tools/test_cli.py", "tests/tools/test_from_snapshot.py",
            "tests/tools/test_cli_errors.py", "tests/journal/test_journal_lock.py",
            "tests/engine/test_store_paths.py", "tests/engine/test_snapshot_pruning.py"]
-KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_prefill_varlen.py",
+KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_wrapper_review.py",
+           "tests/kernels/test_prefill_varlen.py",
            "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
