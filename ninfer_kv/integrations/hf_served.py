@@ -5,7 +5,8 @@ the bundled kernels read every committed token of a row (no window, no chunk), h
 backward, return no attention weights, and take head dims the decode kernel takes (a
 multiple of 32, at most 256). Anything else is refused with a typed error naming it —
 never served as a different attention (silently wrong logits) and never refused only after
-rows were admitted. Each check returns the refusal's reason, or None.
+rows were admitted. Each check returns the refusal's reason, or None; ``store_config_for``
+sizes a store for a model, refusing one it would not serve.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
+from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.errors import UnsupportedOperation
 
 ATTENTION_LAYERS = ("full_attention", "attention")
@@ -75,3 +78,26 @@ def unserved_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 def refuse(what: str, reason: str | None) -> None:
     if reason is not None:
         raise UnsupportedOperation(f"{what}: {reason}")
+
+
+def store_config_for(model_config: Any, *, max_context: int, max_concurrency: int,
+                     profile: str = "bf16", kv_tokens: int | None = None,
+                     **store: Any) -> StoreConfig:
+    """A ``StoreConfig`` whose geometry is the model's: layers, KV heads, head dim. Default
+    ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``).
+    A model the ``ninfer_kv`` attention does not serve (integrations/hf_served.py) is
+    refused here, before a store is sized for it."""
+    if getattr(model_config, "kv_lora_rank", None) is not None:
+        raise UnsupportedOperation("store_config_for: multi-head latent attention (kv_lora_rank"
+                                   f"={model_config.kv_lora_rank}) is not served")
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    refuse("store_config_for", unserved_head_dim(head_dim))
+    refuse("store_config_for", unserved_layers(model_config, max_context))
+    geometry = ModelGeometry(layers=model_config.num_hidden_layers,
+                             kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+                             head_dim=head_dim, profile=profile, mtp_layers=0)
+    serving = ServingConfig(max_context=max_context, max_concurrency=max_concurrency)
+    if kv_tokens is None:
+        kv_tokens = max_context * max_concurrency
+    return StoreConfig(model=geometry, serving=serving, kv_tokens=kv_tokens, **store)

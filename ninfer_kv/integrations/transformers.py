@@ -32,6 +32,7 @@ Tested with transformers 5.x (``pip install ninfer-kv[hf]``).
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Any
 
 import structlog
@@ -41,23 +42,41 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from ninfer_kv.engine.args import as_int
-from ninfer_kv.engine.capacity import ModelGeometry, ServingConfig
-from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import EntitlementExceeded, InvalidArgument, UnsupportedOperation
-from ninfer_kv.integrations.hf_served import (
-    refuse,
-    unserved_call,
-    unserved_head_dim,
-    unserved_layers,
-)
+from ninfer_kv.integrations.hf_served import refuse, store_config_for, unserved_call, unserved_layers
 from ninfer_kv.integrations.hf_unit import Unit as _Unit
+
+__all__ = ["ATTN_IMPLEMENTATION", "NinferKVCache", "ninfer_kv_attention", "register",
+           "store_config_for"]
 
 log = structlog.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "ninfer_kv"
 _CURRENT: contextvars.ContextVar[NinferKVCache | None] = contextvars.ContextVar(
     "ninfer_kv_cache", default=None)
+_OPEN: weakref.WeakKeyDictionary[KVStore, tuple[weakref.ref[NinferKVCache], list[int]]] = \
+    weakref.WeakKeyDictionary()
+"""Per store, the unit a cache opened (layer 0) and has not completed: that cache, its rows."""
+
+
+def _reclaim_orphaned_unit(store: KVStore) -> None:
+    """A forward that failed mid-way leaves its unit open (the store answers ``FrozenUnit``)
+    until its cache's ``abort()``; a caller that dropped the cache instead froze the store
+    for good. The next forward of another cache completes such a unit as ``abort()`` does
+    (no commit, §8.4); the dropped cache's rows stay active (``store.finish`` them)."""
+    held = _OPEN.get(store)
+    if held is None or held[0]() is not None:
+        return  # none open, or its cache lives: its abort() is its owner's to call
+    del _OPEN[store]
+    store.unit_complete()
+    log.warning("hf_orphaned_unit_completed", rows_left_active=held[1])
+
+
+def _closed(cache: NinferKVCache) -> None:
+    held = _OPEN.get(cache.store)
+    if held is not None and held[0]() is cache:
+        del _OPEN[cache.store]
 
 
 def register() -> None:
@@ -65,29 +84,6 @@ def register() -> None:
     padding mask (FlashAttention's mask function) instead of a 4D additive mask."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, ninfer_kv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
-
-
-def store_config_for(model_config: Any, *, max_context: int, max_concurrency: int,
-                     profile: str = "bf16", kv_tokens: int | None = None,
-                     **store: Any) -> StoreConfig:
-    """A ``StoreConfig`` whose geometry is the model's: layers, KV heads, head dim. Default
-    ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``).
-    A model the ``ninfer_kv`` attention does not serve (integrations/hf_served.py) is
-    refused here, before a store is sized for it."""
-    if getattr(model_config, "kv_lora_rank", None) is not None:
-        raise UnsupportedOperation("store_config_for: multi-head latent attention (kv_lora_rank"
-                                   f"={model_config.kv_lora_rank}) is not served")
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    refuse("store_config_for", unserved_head_dim(head_dim))
-    refuse("store_config_for", unserved_layers(model_config, max_context))
-    geometry = ModelGeometry(layers=model_config.num_hidden_layers,
-                             kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
-                             head_dim=head_dim, profile=profile, mtp_layers=0)
-    serving = ServingConfig(max_context=max_context, max_concurrency=max_concurrency)
-    if kv_tokens is None:
-        kv_tokens = max_context * max_concurrency
-    return StoreConfig(model=geometry, serving=serving, kv_tokens=kv_tokens, **store)
 
 
 class _Columns(CacheLayerMixin):
@@ -243,6 +239,7 @@ class NinferKVCache(Cache):
         if self._unit is not None or ending is not None:
             self._unit = None
             self.store.unit_complete()  # idempotent: _end may have run it already
+            _closed(self)
         if ending is not None:
             unit, before = ending
             committed = self.store.failed is None and bool(unit.real.any()) and \
@@ -274,6 +271,7 @@ class NinferKVCache(Cache):
 
     def _begin(self, query: torch.Tensor, mask: torch.Tensor | None) -> _Unit:
         """Layer 0: which columns are real, map them, close the boundary."""
+        _reclaim_orphaned_unit(self.store)
         b, _, t, _ = query.shape
         real = torch.ones(b, t, dtype=torch.bool) if mask is None else mask[:, -t:].cpu().bool()
         new = real.sum(1)
@@ -324,12 +322,14 @@ class NinferKVCache(Cache):
             self.abort()
             raise
         self._unit = unit
+        _OPEN[self.store] = (weakref.ref(self), list(self.seqs))
         return unit
 
     def _end(self, unit: _Unit) -> None:
         self._ending = (unit, self._seen_before)  # first: from here on abort asks the store
         self._unit = None
         self.store.unit_complete()
+        _closed(self)
         self.store.commit_many(self.pool, self.seqs, unit.end.tolist())
         self._seen_before = self.layers[0].seen
         self._ending = None

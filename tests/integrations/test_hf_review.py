@@ -165,3 +165,46 @@ def test_a_key_changed_after_the_cache_is_named_and_abort_forgets_an_unused_upda
     cache.abort()
     cache.update(k, k, 0)                             # no "never reached" refusal
     assert store.active() == []
+
+
+def test_a_failed_forward_whose_cache_was_dropped_does_not_freeze_the_store() -> None:
+    """An exception between layer 0 and the last layer leaves the unit open until the cache's
+    abort(); a caller that dropped the cache instead froze the store for every request. The
+    next forward of another cache completes it (no commit); while the failed cache lives,
+    its abort() stays the way out and the store refuses, typed."""
+    import gc
+
+    from ninfer_kv.errors import FrozenUnit
+
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("simulated failure in layer 0's MLP")
+
+    def failed_forward() -> NinferKVCache:
+        cache = NinferKVCache(store, max_new_tokens=4)
+        hook = model.model.layers[0].mlp.register_forward_hook(boom)
+        try:
+            with pytest.raises(RuntimeError, match="simulated"), torch.no_grad():
+                model(IDS, cache=cache)
+        finally:
+            hook.remove()
+        return cache
+
+    kept = failed_forward()
+    with pytest.raises(FrozenUnit), torch.no_grad():   # its cache lives: not reclaimed
+        model(IDS, cache=NinferKVCache(store, max_new_tokens=4))
+    kept.abort()
+    kept.finish()
+    failed_forward()                                  # dropped without abort()
+    gc.collect()
+    (orphan,) = store.active()
+    other = NinferKVCache(store, max_new_tokens=4)
+    with torch.no_grad():
+        model.generate(IDS, cache=other, max_new_tokens=4, do_sample=False)
+    assert other.frontiers() == [23] and store.space(orphan, "main").committed == 0
+    store.finish(orphan)                              # its rows stay the caller's
+    other.finish()
+    assert store.active() == []
+    store.check_invariants()
