@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import structlog
 
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
@@ -35,6 +36,8 @@ from ninfer_kv.errors import InvalidArgument, UnknownHandle
 if TYPE_CHECKING:
     from ninfer_kv.engine.state import StoreState
     from ninfer_kv.engine.store import KVStore
+
+log = structlog.get_logger(__name__)
 
 SEED = b"ninfer-kv prefix index v1"
 
@@ -72,7 +75,7 @@ def _as_tokens(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     except (ValueError, TypeError) as exc:  # a ragged or nested list
         raise InvalidArgument(f"{what}: want a 1-D sequence of integer token ids ({exc})"
                               ) from None
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):  # not timedelta64 ("m")
         raise InvalidArgument(f"{what}: want a 1-D sequence of integer token ids, got dtype "
                               f"{arr.dtype} shape {arr.shape}")
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
@@ -105,7 +108,11 @@ class PrefixIndex:
     @classmethod
     def vllm(cls, block: int = 16, hash_seed: str | None = None) -> PrefixIndex:
         """An index whose keys are vLLM's block hashes (sha256, no extra keys), so the KV
-        events an engine publishes from ``block_hashes`` line up with vLLM-aware routers."""
+        events an engine publishes from ``block_hashes`` line up with vLLM-aware routers.
+        ``hash_seed`` is vLLM's ``PYTHONHASHSEED`` string (an int would hash differently)."""
+        if hash_seed is not None and type(hash_seed) is not str:
+            raise InvalidArgument(f"PrefixIndex.vllm: hash_seed={hash_seed!r} must be a str "
+                                  "(vLLM hashes the PYTHONHASHSEED string)")
         return cls(block, vllm_sha256_chain, vllm_none_hash(hash_seed))
 
     def block_hashes(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
@@ -197,8 +204,13 @@ class PrefixIndex:
         indexed (they have no KV there); checkpoints without tokens are skipped. The keys
         are hashed as ``like`` hashes them (its block size, chain hash and seed: pass the
         index being replaced, e.g. ``PrefixIndex.vllm()``, so rebuilt keys still match a
-        router's); without it, the default BLAKE2b chain in blocks of ``block`` (64)."""
-        return cls.from_state(store.state, key, block, like=like)
+        router's); without it, the default BLAKE2b chain in blocks of ``block`` (64). A
+        checkpoint whose tokens are not a 1-D list of int32 ids is skipped and logged (one bad
+        entry does not cost the whole cache)."""
+        state = getattr(store, "state", None)
+        if state is None or not hasattr(state, "bundles"):
+            raise InvalidArgument(f"from_store: {store!r} is not a KVStore")
+        return cls.from_state(state, key, block, like=like)
 
     @classmethod
     def from_state(cls, state: StoreState, key: str = "tokens", block: int | None = None, *,
@@ -207,6 +219,8 @@ class PrefixIndex:
         derived state, so a replayed journal rebuilds the live one."""
         if like is not None and not isinstance(like, PrefixIndex):
             raise InvalidArgument(f"from_state: like={like!r} must be a PrefixIndex")
+        if not hasattr(state, "bundles") or not hasattr(state, "pools"):
+            raise InvalidArgument(f"from_state: {state!r} is not a store state")
         if like is None:
             idx = cls(64 if block is None else block)
         elif block is not None and as_int("block", block) != like.block:
@@ -221,5 +235,10 @@ class PrefixIndex:
                 # every pool must hold the tokens a match continues (they may commit
                 # different frontiers, §6.2: an MTP pool lagging the main one)
                 frontier = min(state.pools[p].spaces[ck].committed for p in bundle.pools)
-                idx.add(ck, _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")[:frontier])
+                try:
+                    tokens = _as_tokens(meta[key], f"checkpoint {ck} metadata {key!r}")
+                except InvalidArgument as exc:
+                    log.warning("prefix_index.skipped", checkpoint=ck, reason=str(exc))
+                    continue
+                idx.add(ck, tokens[:frontier])
         return idx

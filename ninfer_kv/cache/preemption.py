@@ -68,8 +68,10 @@ def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
 
 
 def swap_in(store: KVStore, swapped: Swapped) -> int:
-    """Resume a swapped-out sequence; returns its new sequence id. ``CapacityExhausted``
-    (nothing changed) when the device cannot hold its pages and budget yet. Its pages keep
+    """Resume a swapped-out sequence, with the metadata it had (its prompt tokens: a prefix
+    index rebuilt after a restart finds its checkpoint); returns its new sequence id.
+    ``CapacityExhausted`` (nothing changed) when the device cannot hold its pages and budget
+    yet. Its pages keep
     their host replicas (a later ``swap_out`` reuses the ones still valid) until
     ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
     if not isinstance(swapped, Swapped) or not isinstance(swapped.frontier, dict) \
@@ -80,6 +82,6 @@ def swap_in(store: KVStore, swapped: Swapped) -> int:
     prompt = max(frontier.values())
     budget = as_int("budget", swapped.budget, lo=prompt)
     seq = store.activate_from(as_int("checkpoint", swapped.checkpoint), frontier, prompt,
-                              budget - prompt, keep_source=False)
+                              budget - prompt, keep_source=False, carry_metadata=True)
     log.debug("preemption.swap_in", checkpoint=swapped.checkpoint, seq=seq)
     return seq

@@ -37,8 +37,22 @@ import structlog
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import InvalidArgument, UnknownHandle
 
 log = structlog.get_logger(__name__)
+
+
+def _blocks(what: str, key: object) -> tuple[Hashable, ...]:
+    """``key`` as a tuple of block keys, each hashable (checked before anything changes)."""
+    if isinstance(key, str | bytes) or not isinstance(key, Sequence):
+        raise InvalidArgument(f"{what}: key={key!r} must be a sequence of block keys")
+    out = tuple(key)
+    for i, h in enumerate(out):
+        try:
+            hash(h)
+        except TypeError:
+            raise InvalidArgument(f"{what}: block key {i} ({h!r}) is not hashable") from None
+    return out
 
 
 @dataclass(slots=True)
@@ -79,10 +93,17 @@ class LruRetention:
     def retain(self, ck: int, key: Sequence[Hashable], parent: int | None = None) -> None:
         """Index retained checkpoint ``ck`` holding prefix blocks ``key``: chained keys (a
         block's key identifies its whole prefix, as vLLM's block hashes and the trace's hash
-        ids do), so a key never matches at another position."""
+        ids do), so a key never matches at another position. Refused, with nothing changed,
+        for a checkpoint indexed already (``forget`` it first: a second entry would leave its
+        old keys answering lookups) or a key that is not a sequence of hashable blocks."""
+        ck = as_int("checkpoint", ck)
+        if ck in self.entries:
+            raise InvalidArgument(f"retain: checkpoint {ck} is indexed already (forget it "
+                                  "before indexing it again)")
+        key = _blocks("retain", key)
         if parent not in self.entries:
             parent = None
-        self.entries[ck] = Entry(tuple(key), parent)
+        self.entries[ck] = Entry(key, parent)
         self._touch(ck)
         if parent is not None:
             self.entries[parent].children += 1
@@ -93,7 +114,9 @@ class LruRetention:
         """Drop ``ck`` from the index: its keys first and its entry last, so every key's
         holders stay indexed entries even when an interrupt stops it half way (the next
         ``forget`` of ``ck`` finishes; a parent's child count may then stay one high)."""
-        e = self.entries[ck]
+        e = self.entries.get(ck)  # type: ignore[arg-type]
+        if e is None:
+            raise UnknownHandle(f"forget: checkpoint {ck!r} is not indexed")
         for h in e.key:
             s = self.by_block.get(h)
             if s is not None:
@@ -110,6 +133,7 @@ class LruRetention:
     def lookup(self, key: Sequence[Hashable]) -> tuple[int | None, int]:
         """(checkpoint, matched blocks) with the longest common prefix of ``key``; the most
         recently used wins a tie, and is touched."""
+        key = _blocks("lookup", key)
         cands: set[int] = set()
         k = 0
         for i, h in enumerate(key):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
 from ninfer_kv.engine import round_kernels as rk
-from ninfer_kv.engine.args import as_int, one_of
+from ninfer_kv.engine.args import as_int, metadata_room, one_of
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState
@@ -61,17 +61,24 @@ def per_pool(what: str, frontier: Mapping[Any, Any], pools: Sequence[str]) -> di
 
 def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int],
                   prompt_tokens: int, max_output_tokens: int, mode: str = "auto",
-                  keep_source: bool = True) -> int:
+                  keep_source: bool = True, carry_metadata: bool = False) -> int:
+    """``KVStore.activate_from``; with ``carry_metadata`` the new sequence gets the
+    checkpoint's metadata in the same record (a preempted request resumed, §10)."""
     st = store.state
     checkpoint = as_int("checkpoint", checkpoint)
     prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
     max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
     one_of("mode", mode, ("auto", "move", "fork"))
-    if not isinstance(keep_source, bool):
-        raise InvalidArgument(f"keep_source={keep_source!r} must be a bool")
+    for name, flag in (("keep_source", keep_source), ("carry_metadata", carry_metadata)):
+        if not isinstance(flag, bool):
+            raise InvalidArgument(f"{name}={flag!r} must be a bool")
     src_bundle = st.bundles.get(checkpoint)
     if src_bundle is None or src_bundle.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")
+    meta = src_bundle.meta if carry_metadata else b""
+    if meta:
+        metadata_room(f"activate_from({checkpoint}) carrying its metadata", store._pending,
+                      len(meta))
     names = store.pools
     if type(frontier) is not int and isinstance(frontier, Mapping):
         frontiers = per_pool("", frontier, names)
@@ -196,6 +203,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                 effects.append(ev.CopyTail(dst, pool, slot, page, src_slot, src_page, f % P))
                 events.append(effects[-1])
     events.append(ev.PublishActive(dst))
+    if meta:
+        events.append(ev.SetMetadata(dst, meta))
     if not keep_source and any(not pl.move for pl in plans):
         events.extend(ev.Release(checkpoint, pl.pool) for pl in plans if not pl.move)
     store._emit(*events)

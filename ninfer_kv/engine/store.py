@@ -26,7 +26,7 @@ import torch
 
 from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_int, as_ints, one_pair
+from ninfer_kv.engine.args import as_int, as_ints, metadata_room, one_pair
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore, command
 from ninfer_kv.engine.invariants import violations
@@ -276,14 +276,7 @@ class KVStore(StoreCore):
             raise InvalidArgument(f"set_metadata({bundle}): metadata must be msgpack-encodable "
                                   f"(dict, list, str, bytes, int, float, bool, None): {exc}"
                                   ) from None
-        if len(data) > ev.METADATA_MAX:
-            raise InvalidArgument(f"set_metadata({bundle}): {len(data)} bytes encoded > "
-                                  f"METADATA_MAX={ev.METADATA_MAX}")
-        queued = sum(len(e.meta) for e in self._pending if isinstance(e, ev.SetMetadata))
-        if queued + len(data) > ev.METADATA_PER_RECORD:
-            raise InvalidArgument(f"set_metadata({bundle}): {queued} + {len(data)} metadata "
-                                  f"bytes in one boundary > METADATA_PER_RECORD="
-                                  f"{ev.METADATA_PER_RECORD}; run a boundary first")
+        metadata_room(f"set_metadata({bundle})", self._pending, len(data))
         self._emit(ev.SetMetadata(bundle, data))
 
     def checkpoint_info(self, bundle: int) -> info.CheckpointInfo:
@@ -341,12 +334,12 @@ class KVStore(StoreCore):
     @command
     def activate_from(self, checkpoint: int, frontier: int | dict[str, int], prompt_tokens: int,
                       max_output_tokens: int, *, keep_source: bool = True,
-                      mode: str = "auto") -> int:
+                      mode: str = "auto", carry_metadata: bool = False) -> int:
         """Continue from ``checkpoint`` at token ``frontier`` (one int, or one per pool).
         Move or Fork is decided from the real references (engine/continuation.py)."""
         self._usable("activate_from")
         return continuation.activate_from(self, checkpoint, frontier, prompt_tokens,
-                                          max_output_tokens, mode, keep_source)
+                                          max_output_tokens, mode, keep_source, carry_metadata)
 
     # --- views (§12) ---------------------------------------------------------------------------------
     def batch_view(self, pool: str | PoolKind, layer: int) -> PagedKVBatchLayerView:
