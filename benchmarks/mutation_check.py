@@ -116,7 +116,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "integrations/hf_served.py", "dist/replica.py",
                  "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py",
-                 "cache/index.py")
+                 "cache/index.py", "cache/retention.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
