@@ -39,6 +39,8 @@ class StoreConfig:
     journal_dir: str | None = None
     """None = no journal (events are applied and dropped)."""
     sync: SyncPolicy = SyncPolicy.OFF
+    sync_interval_ms: float = 10.0
+    """``sync="interval"``: a boundary fsyncs once this long passed since the last fsync."""
     segment_bytes: int = 64 << 20
     allocate_planes: bool = True
     snapshot_every: int = 0
@@ -68,6 +70,10 @@ class StoreConfig:
         except ValueError:
             raise ConfigError(f"sync={self.sync!r}: must be one of "
                               f"{', '.join(p.value for p in SyncPolicy)}") from None
+        ms = self.sync_interval_ms
+        if type(ms) not in (int, float) or not 0 < ms < float("inf"):
+            raise ConfigError(f"sync_interval_ms={ms!r}: must be a positive, finite number")
+        put("sync_interval_ms", float(ms))
         ints = {"headroom": 0, "segment_bytes": 512, "snapshot_every": 0, "lease_window": 1,
                 "lease_cushion": 0, "host_bytes": 0}
         for name, lo in ints.items():

@@ -221,8 +221,8 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
         journal = None                                         # 6. now write
         if jdir is not None:
             journal = Journal.open(jdir, CODEC, JournalOptions(  # the store holds its lock
-                sync=config.sync, segment_bytes=config.segment_bytes), scan_result=res,
-                lock=False)
+                sync=config.sync, segment_bytes=config.segment_bytes,
+                interval_ms=config.sync_interval_ms), scan_result=res, lock=False)
             opened.append(journal)
         if arena_path is not None:
             try:  # the journal's token first: a crash before the arena's leaves an arena

@@ -27,8 +27,12 @@ def unserved_layers(config: Any, max_context: int) -> str | None:  # noqa: ANN40
     """A model whose layers are not all causal attention that sees every earlier token within
     ``max_context``: a chunked attention (Llama4's ``attention_chunk_size``), or a layer that
     is no attention at all (convolution, linear attention, Mamba: hybrid models keep state
-    this cache does not hold). Sliding-window layers are judged per layer
-    (``unserved_call``), by their window."""
+    this cache does not hold), or a sliding window shorter than ``max_context`` in the
+    config (each call is judged again by its own window, ``unserved_call``)."""
+    window = getattr(config, "sliding_window", None)  # what the per-layer check falls back to
+    if window is not None and window < max_context:
+        return (f"sliding_window={window} < max_context={max_context}; only full attention "
+                "is served")
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None and chunk < max_context:
         return (f"attention_chunk_size={chunk} < max_context={max_context} (chunked_attention "

@@ -143,6 +143,11 @@ def test_store_config_for_refuses_what_the_kernels_do_not_serve() -> None:
         store_config_for(mla, max_context=64, max_concurrency=1)
     assert store_config_for(T.LlamaConfig(**SMALL), max_context=64,
                             max_concurrency=1).model.head_dim == 32
+    mistral = T.MistralConfig(**SMALL, sliding_window=128)       # a later audit: taken here
+    with pytest.raises(UnsupportedOperation, match="sliding_window=128 < max_context=512"):
+        store_config_for(mistral, max_context=512, max_concurrency=1)
+    assert store_config_for(mistral, max_context=128, max_concurrency=1).serving.max_context \
+        == 128                                                    # a window as long: served
 
 
 def test_a_key_changed_after_the_cache_is_named_and_abort_forgets_an_unused_update() -> None:
