@@ -36,18 +36,10 @@ from ninfer_kv.engine.layout import P, PlaneOrder
 from ninfer_kv.engine.store import KVStore, StoreConfig
 from ninfer_kv.errors import CapacityExhausted, KVStoreError
 from tests.engine.conftest import crash
+from tests.engine.shadow import _planes, pattern, write
 
 JUNK = 10_000  # tags of bytes written above the commit point
 STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
-
-
-def pattern(tags: torch.Tensor, pos: torch.Tensor, plane: int, heads: int,
-            width: int) -> torch.Tensor:
-    """The bytes [heads, len(tags), width] of tokens ``tags`` at positions ``pos``."""
-    h = torch.arange(heads).view(-1, 1, 1)
-    x = torch.arange(width).view(1, 1, -1)
-    tok = (tags * 131 + pos * 31 + (tags // 7) * 17).view(1, -1, 1)
-    return ((tok + plane * 7 + h * 13 + x * 3) & 0xFF).to(torch.uint8)
 
 
 class DataWalk:
@@ -69,40 +61,12 @@ class DataWalk:
         self.log: list[str] = []
         self.per_pool = backend is not Backend.OFF
 
-    # --- the bytes ------------------------------------------------------------------------------
+    # --- the bytes (the payload of tests/engine/shadow.py) -------------------------------------
     def _planes(self, pool: str) -> tuple[list[torch.Tensor], PlaneOrder]:
-        order = self.s.device.pools[pool].geometry.order
-        return [t.view(torch.uint8) for t in self.s.device.planes(pool)], order
+        return _planes(self.s, pool)
 
     def write(self, seq: int, pool: str, start: int, tags: list[int]) -> None:
-        """Write ``tags`` at positions ``start``.. through the published table row, as the
-        engine's kernels do (the checked-mode guard first)."""
-        if not tags:
-            return
-        s = self.s
-        pd = s.device.pools[pool]
-        row = s.space(seq, pool).row
-        positions = torch.arange(start, start + len(tags))
-        for layer in range(pd.geometry.layers):
-            guard = s.batch_view(pool, layer).guard
-            if guard is not None:
-                guard(torch.full((len(tags),), row, dtype=torch.int32), positions)
-        planes, order = self._planes(pool)
-        tag_t = torch.tensor(tags)
-        i = 0
-        while i < len(tags):
-            block, col = divmod(start + i, P)
-            n = min(len(tags) - i, P - col)
-            g = int(pd.block_tables[row, block])
-            assert g >= 0, f"seq {seq} {pool}: block {block} unmapped in its table row"
-            for k, t in enumerate(planes):
-                heads = t.shape[1] if order is PlaneOrder.PAGE_MAJOR else t.shape[0]
-                data = pattern(tag_t[i:i + n], positions[i:i + n], k, heads, t.shape[3])
-                if order is PlaneOrder.PAGE_MAJOR:
-                    t[g, :, col:col + n, :] = data
-                else:
-                    t[:, g, col:col + n, :] = data
-            i += n
+        write(self.s, seq, pool, start, tags)
 
     def _differs(self, pool: str, pages: list[torch.Tensor], tags: list[int],
                  base: int) -> str | None:
