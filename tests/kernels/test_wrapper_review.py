@@ -361,3 +361,28 @@ def test_uint64_indices_are_refused_by_their_dtype() -> None:
     for dtype in (torch.uint8, torch.int16, torch.int32, torch.uint32):
         paged_decode(q, view, torch.tensor([0], dtype=dtype), torch.tensor([1], dtype=dtype),
                      n_split=1)
+
+
+def test_inputs_of_the_wrong_kind_or_rank_and_a_host_page_of_the_wrong_size_are_refused() -> None:
+    """Survivors of a mutation run (2026-12-03): no test held these refusals by name.
+    Without them a list or a matrix of rows, or a 2-D q, failed deeper, untyped, and a host
+    buffer with pages of another size was read with the wrong strides."""
+    view = bf16_view()
+    q, rows, ctx = torch.zeros(1, 1, 64), torch.tensor([0]), torch.tensor([1])
+    with pytest.raises(InvalidArgument, match="table_rows must be a torch.Tensor, got list"):
+        paged_decode(q, view, [0], ctx)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"context_lens must be 1-D, got shape \(1, 1\)"):
+        paged_decode(q, view, rows, ctx.view(1, 1))
+    for bad in (torch.zeros(1, 64), torch.zeros(1, 1, 64, dtype=torch.int32)):
+        with pytest.raises(InvalidArgument, match="q must be a 3-D floating-point tensor"):
+            paged_decode(bad, view, rows, ctx)
+    order = PlaneOrder.PAGE_MAJOR
+    planes = [torch.zeros(4, 1, 64, 64, dtype=torch.uint16)]
+    page = host_page_bytes(planes, order)
+    for host in (torch.zeros(2, page + 8, dtype=torch.uint8),
+                 torch.zeros(2, page // 2, dtype=torch.uint8)):
+        with pytest.raises(InvalidArgument, match=f"host page of {host.shape[1]} B does not "
+                                                  f"hold these planes \\({page} B\\)"):
+            pack_pages(planes, order, [0], host)
+        with pytest.raises(InvalidArgument, match="does not hold these planes"):
+            unpack_pages(planes, order, host, [0])
