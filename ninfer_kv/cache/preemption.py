@@ -71,9 +71,8 @@ def swap_in(store: KVStore, swapped: Swapped) -> int:
     """Resume a swapped-out sequence, with the metadata it had (its prompt tokens: a prefix
     index rebuilt after a restart finds its checkpoint); returns its new sequence id.
     ``CapacityExhausted`` (nothing changed) when the device cannot hold its pages and budget
-    yet. Its pages keep
-    their host replicas (a later ``swap_out`` reuses the ones still valid) until
-    ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
+    yet. Its pages keep their host replicas (a later ``swap_out`` reuses the ones still valid)
+    until ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
     if not isinstance(swapped, Swapped) or not isinstance(swapped.frontier, dict) \
             or not swapped.frontier:
         raise InvalidArgument(f"swap_in: {swapped!r} is not the Swapped that swap_out returned")

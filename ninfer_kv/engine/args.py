@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_kv.errors import InvalidArgument
-from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD, REASON_MAX
+from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD, REASON_MAX, SetMetadata
 
 _BOOLS = (bool, np.bool_)
 
@@ -132,7 +132,7 @@ def metadata_room(what: str, pending: Sequence[Any], size: int) -> None:
     one bundle, ``METADATA_PER_RECORD`` for all the ``SetMetadata`` events ``pending``."""
     if size > METADATA_MAX:
         raise InvalidArgument(f"{what}: {size} bytes encoded > METADATA_MAX={METADATA_MAX}")
-    queued = sum(len(e.meta) for e in pending if type(e).__name__ == "SetMetadata")
+    queued = sum(len(e.meta) for e in pending if isinstance(e, SetMetadata))
     if queued + size > METADATA_PER_RECORD:
         raise InvalidArgument(f"{what}: {queued} + {size} metadata bytes in one boundary > "
                               f"METADATA_PER_RECORD={METADATA_PER_RECORD}; run a boundary first")

@@ -89,8 +89,8 @@ def store_config_for(model_config: Any, *, max_context: int, max_concurrency: in
                      **store: Any) -> StoreConfig:
     """A ``StoreConfig`` whose geometry is the model's: layers, KV heads, head dim. Default
     ``kv_tokens``: room for every row at full context (``max_context * max_concurrency``).
-    A model the ``ninfer_kv`` attention does not serve (integrations/hf_served.py) is
-    refused here, before a store is sized for it."""
+    A model the ``ninfer_kv`` attention does not serve (the checks above) is refused here,
+    before a store is sized for it."""
     if getattr(model_config, "kv_lora_rank", None) is not None:
         raise UnsupportedOperation("store_config_for: multi-head latent attention (kv_lora_rank"
                                    f"={model_config.kv_lora_rank}) is not served")

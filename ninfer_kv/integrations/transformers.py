@@ -23,9 +23,9 @@ the store's frontiers count real tokens only.
 
 The attention function finds its cache through a context variable that ``Cache.update`` sets
 (models call ``cache.update`` for a layer right before that layer's attention), and checks
-that the layer and the batch match. What it does not serve (beam search, ``crop``, windows
-and chunks, hybrid and MLA models, autograd, ...) is refused before a row is admitted
-(integrations/hf_served.py).
+that the layer and the batch match. What it does not serve (windows and chunks, hybrid and
+MLA models, autograd, ...) is refused before a row is admitted (integrations/hf_served.py);
+beam search and ``crop`` when transformers asks for them, after the first forward.
 Tested with transformers 5.x (``pip install ninfer-kv[hf]``).
 """
 

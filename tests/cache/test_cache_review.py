@@ -49,6 +49,10 @@ def test_swap_in_keeps_the_metadata_so_a_rebuilt_index_finds_the_checkpoint(
         pass
     match = PrefixIndex.from_store(s).lookup(tokens)  # the rebuild a restart runs
     assert match is not None and match.checkpoint == ck
+    digest = s.digest()
+    with pytest.raises(InvalidArgument, match="carry_metadata='yes' must be a bool"):
+        s.activate_from(ck, 64, 100, 10, carry_metadata="yes")  # type: ignore[arg-type]
+    assert s.digest() == digest
     other = s.activate_from(ck, 64, 100, 10)          # carry_metadata defaults to False
     assert s.checkpoint_info(other).metadata is None
     s.check_invariants()
