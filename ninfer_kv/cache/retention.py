@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 
 from ninfer_kv.engine.args import as_int
@@ -43,7 +44,10 @@ log = structlog.get_logger(__name__)
 
 
 def _blocks(what: str, key: object) -> tuple[Hashable, ...]:
-    """``key`` as a tuple of block keys, each hashable (checked before anything changes)."""
+    """``key`` as a tuple of block keys, each hashable (checked before anything changes); a
+    1-D numpy array is taken as its plain values."""
+    if isinstance(key, np.ndarray) and key.ndim == 1:
+        key = key.tolist()
     if isinstance(key, str | bytes) or not isinstance(key, Sequence):
         raise InvalidArgument(f"{what}: key={key!r} must be a sequence of block keys")
     out = tuple(key)

@@ -89,9 +89,11 @@ def test_a_refused_or_repeated_retain_changes_nothing() -> None:
     assert r.lookup(["a", "b"]) == (None, 0) and r.lookup(["c"]) == (1, 1)
     with pytest.raises(UnknownHandle, match="not indexed"):
         r.forget(3)
-    for bad in (None, "abc", 5):
+    for bad in (None, "abc", 5, np.zeros((1, 1))):
         with pytest.raises(InvalidArgument, match="sequence of block keys"):
             r.lookup(bad)  # type: ignore[arg-type]
+    r.retain(2, np.array([5, 6]))                     # an array of hash ids: its values
+    assert r.lookup((5, 6, 7)) == (2, 2) and r.lookup(np.array([5])) == (2, 1)
 
 
 def test_a_checkpoint_with_bad_token_metadata_is_skipped_not_fatal() -> None:
