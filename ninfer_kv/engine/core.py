@@ -32,7 +32,7 @@ from ninfer_kv.engine.state import StoreState, encode_state
 from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
-from ninfer_kv.journal.lock import DirLock
+from ninfer_kv.journal.lock import DirLock, Process
 from ninfer_kv.journal.log import Journal
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class StoreCore:
         """Every mutating command starts here: closed, failed and frozen stores refuse."""
         if self._closed:
             raise StoreClosed(f"{what} refused: the store is closed")
-        if os.getpid() != self._pid:
+        if Process.pid != self._pid:
             raise StoreFailed(f"{what} refused: this store was opened by process {self._pid}; "
                               "a forked child must open its own (one writer per directory)")
         if self._failed is not None:

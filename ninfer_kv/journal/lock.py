@@ -25,6 +25,22 @@ from ninfer_kv.journal.fs import secure_makedirs
 LOCK_NAME = "LOCK"
 
 
+class Process:
+    """This process's pid, renewed in a child by ``os.register_at_fork``: a store compares it
+    with its opener's at every command (``os.getpid()`` is a system call, ~1 µs here, and a
+    decode round runs three commands). A child forked by C code that bypasses
+    ``PyOS_AfterFork`` keeps the parent's pid here; ``KVStore.close`` asks the kernel."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=Process.forked)
+
+
 class DirLock:
     __slots__ = ("path", "_fd", "_closer", "__weakref__")
 

@@ -20,7 +20,8 @@ from tests.engine.conftest import small_config
 
 def separate_device_tables(s: KVStore) -> None:
     """Make ``s`` publish as to a device: own table tensors, a non-CPU device type."""
-    s.device.device = torch.device("cuda")  # only ``.type`` is read on this path
+    s.device.device = torch.device("cuda")
+    s.device.on_cpu = False  # what the publishing path reads
     for pd in s.device.pools.values():
         pd.block_tables = torch.from_numpy(pd.host_tables.copy())
 
