@@ -11,7 +11,8 @@ row of ``sp_members`` with ``sp_nmem`` valid entries), committed and provisional
 entitlement, active flag, execution row — so a batch of C sequences is validated and applied
 with array operations, and a boundary publishes its block-table rows in one compiled pass.
 The object is the view the cold paths use; the other fields are plain attributes. ``PoolState.spaces``
-(bundle -> space) and ``PoolState.bundle_index`` (the same map as an array) are one structure.
+(bundle -> space) and ``PoolState.bundle_table`` (the same map as a hash table for compiled
+loops) are one structure.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.bundle_table import space_of
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life_kernels import membership_fault, membership_of
 from ninfer_kv.engine.round_kernels import OK
@@ -43,10 +44,9 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
     old = np.empty(n, np.int64)     # each element's committed frontier before it
     for j in range(n):
         b = bundles[j]
-        i = -1
-        bad = not (0 <= b < bundle_index.shape[0] and bundle_index[b] >= 0)
+        i = space_of(bundle_index, b)
+        bad = i < 0
         if not bad:
-            i = bundle_index[b]
             f = frontiers[j]
             if (not sp_active[i] or f > sp_nmem[i] * P or f < sp_committed[i]
                     or (f + P - 1) // P > sp_members.shape[1]):
@@ -59,12 +59,12 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
                         break
         if bad:
             for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
-                sp_committed[bundle_index[bundles[k]]] = old[k]
+                sp_committed[space_of(bundle_index, bundles[k])] = old[k]
             return j
         old[j] = sp_committed[i]
         sp_committed[i] = frontiers[j]
     for j in range(n):
-        i = bundle_index[bundles[j]]
+        i = space_of(bundle_index, bundles[j])
         f = frontiers[j]
         for blk in range(old[j] // P, (f + P - 1) // P):
             cols = f - blk * P
@@ -103,11 +103,11 @@ def apply_provisional(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
     bundles, frontiers = int32s(b_raw), int32s(f_raw)
     for j in range(bundles.shape[0]):
         b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        i = space_of(bundle_index, b)
         if i < 0 or not sp_active[i] or frontiers[j] < 0 or frontiers[j] > sp_nmem[i] * P:
             return j
     for j in range(bundles.shape[0]):
-        sp_provisional[bundle_index[bundles[j]]] = frontiers[j]
+        sp_provisional[space_of(bundle_index, bundles[j])] = frontiers[j]
     return -1
 
 
@@ -129,14 +129,14 @@ def apply_grow(b_raw: bytes, n_raw: bytes, bundle_index: np.ndarray, sp_active: 
     seen = np.zeros(sp_active.shape[0], np.bool_)
     for j in range(bundles.shape[0]):
         b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        i = space_of(bundle_index, b)
         if (i < 0 or not sp_active[i] or seen[i] or pages[j] < 0
                 or sp_entitlement[i] + pages[j] > logical_pages):
             return GROW_BAD, j, 0
         seen[i] = True
     total = 0
     for j in range(bundles.shape[0]):
-        sp_entitlement[bundle_index[bundles[j]]] += pages[j]
+        sp_entitlement[space_of(bundle_index, bundles[j])] += pages[j]
         total += pages[j]
     return OK, -1, total
 
@@ -241,7 +241,7 @@ def materialize_plan(bundles: np.ndarray, devs: np.ndarray, bundle_index: np.nda
     width = 0
     for j in range(n):
         b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        i = space_of(bundle_index, b)
         if i < 0:
             return idx, NO_SPACE, j, 0
         if not sp_active[i]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.bundle_table import space_of
 from ninfer_kv.engine.layout import P
 from ninfer_kv.kernels.jit import njit
 
@@ -123,7 +124,7 @@ def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarra
             grown[:n] = rows[:n]
             rows = grown
         b = bundles[j]
-        k = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        k = space_of(bundle_index, b)
         oc = mirror[b] if 0 <= b < mirror.shape[0] else ABSENT
         if k < 0 or oc == ABSENT:
             rows[n, 0], rows[n, 1] = C_NO_SPACE, b

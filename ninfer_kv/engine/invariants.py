@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 
 from ninfer_kv.engine import invariant_kernels as ik
+from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
@@ -73,6 +74,22 @@ def _leases(pool: PoolState, live: np.ndarray, out: list[str]) -> int:
     return len(leases)
 
 
+def _table_violations(pool: PoolState, spaces: list[tuple[int, KVAddressSpace]]) -> list[str]:
+    """The compiled loops find a sequence's space through ``bundle_index``, the bundle table's
+    array (engine/bundle_table.py): it must map exactly the pool's spaces, each to its own
+    index — an entry missing refuses a live sequence, a stale one reads another's arrays."""
+    t = pool.bundle_table
+    out = t.check()
+    if pool.bundle_index is not t.array:
+        out.append("bundle_index is not the bundle table's array")
+    got, want = t.items(), {b: sp.i for b, sp in spaces}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:4]
+        out.append(f"the bundle table maps {len(got)} seqs, the pool has {len(want)} spaces; "
+                   f"(seq, space index) pairs in one only: {diff}")
+    return out
+
+
 def _pool_violations(st: StoreState, name: str) -> list[str]:
     pool = st.pools[name]
     out: list[str] = []
@@ -126,6 +143,7 @@ def _pool_violations(st: StoreState, name: str) -> list[str]:
     if rows != pool.row_owner or len(pool.free_rows) + len(rows) != pool.rows or \
             set(pool.free_rows) & set(rows):
         out.append(f"execution rows inconsistent: owners {pool.row_owner} vs spaces {rows}")
+    out.extend(_table_violations(pool, spaces))
     _pages(pool, live, refs, active_refs, keys, size, out)
     free = np.flatnonzero(pool.free_slots.bits)
     inside = free[free < n]

@@ -16,8 +16,9 @@ dense index, recycled when the space is dropped); ``LogicalKVPage`` and ``KVAddr
 views over them (engine/pages.py, engine/address_space.py). ``pages[slot]`` makes a page's
 view (None for a free slot), ``gens[slot]`` reads a slot's generation; ``host_of`` maps a
 slot to its host replica, kept in ``pg_host_*`` (offset -1 = none); ``spaces`` maps bundle
--> space and keeps ``bundle_index`` (the same map as an array, -1 = none) in step. Arrays grow
-by doubling; their spare tail holds no state.
+-> space and keeps ``bundle_table`` (the same map as a hash table in one array,
+``bundle_index``, for compiled loops: engine/bundle_table.py) in step. Arrays grow by
+doubling; their spare tail holds no state.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_kv.engine.address_space import KVAddressSpace
+from ninfer_kv.engine.bundle_table import BundleTable
 from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.pages import LogicalKVPage
 
@@ -65,16 +67,15 @@ class SpaceMap(MutableMapping[int, KVAddressSpace]):
     def __setitem__(self, bundle: int, sp: KVAddressSpace) -> None:
         assert bundle not in self._d and sp.bundle == bundle and sp._p is self._p
         p = self._p
-        if bundle >= len(p.bundle_index):
-            p.bundle_index = _grown(p.bundle_index, bundle + 1, -1)
-        p.bundle_index[bundle] = sp.i
+        p.bundle_table.insert(bundle, sp.i)
+        p.bundle_index = p.bundle_table.array  # a new array when the table was rebuilt
         p.sp_bundle[sp.i] = bundle
         self._d[bundle] = sp
 
     def __delitem__(self, bundle: int) -> None:
         sp = self._d.pop(bundle)
         p = self._p
-        p.bundle_index[bundle] = -1
+        p.bundle_table.remove(bundle)
         p.sp_bundle[sp.i] = -1
         p.sp_active[sp.i] = False
         p.sp_nmem[sp.i] = 0
@@ -213,7 +214,7 @@ class PoolState:
                  "pg_live", "host_of", *(f for f, _ in PG_FIELDS),
                  "sp_members", "sp_nmem", "sp_committed", "sp_protected", "sp_entitlement",
                  "sp_active", "sp_bundle", "sp_budget", "sp_row", "sp_provisional", "sp_free",
-                 "bundle_index")
+                 "bundle_table", "bundle_index")
 
     def __init__(self, name: str, capacity: int, rows: int, logical_pages: int) -> None:
         self.name = name
@@ -247,7 +248,8 @@ class PoolState:
         self.sp_row = np.full(m, -1, I64)       # its execution row (-1: none, §7.2)
         self.sp_provisional = np.zeros(m, I64)  # speculative frontier (§8.2)
         self.sp_free: list[int] = list(range(m - 1, -1, -1))  # stack: lowest index on top
-        self.bundle_index = np.full(64, -1, I64)
+        self.bundle_table = BundleTable()  # bundle -> space index, for compiled loops
+        self.bundle_index = self.bundle_table.array  # what they take (engine/bundle_table.py)
         self.spaces = SpaceMap(self)            # bundle -> space
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.bundle_table import space_of
 from ninfer_kv.engine.free_ids import _lowest
 from ninfer_kv.engine.layout import P
 from ninfer_kv.kernels.jit import njit
@@ -39,7 +40,7 @@ def resolve(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray
     seen = np.zeros(sp_active.shape[0], np.bool_)
     for j in range(n):
         b = bundles[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        i = space_of(bundle_index, b)
         if i < 0 or not sp_active[i]:
             return idx, UNKNOWN, j
         if seen[i]:
@@ -133,9 +134,7 @@ def publish_rows(bundles: np.ndarray, starts: np.ndarray, bundle_index: np.ndarr
     n = 0
     for j in range(bundles.shape[0]):
         b = bundles[j]
-        if b < 0 or b >= bundle_index.shape[0]:
-            continue
-        k = bundle_index[b]
+        k = space_of(bundle_index, b)
         if k < 0 or not sp_active[k]:
             continue
         r, start = sp_row[k], starts[j]
@@ -298,7 +297,7 @@ def grow_pool(ids: np.ndarray, bundle_index: np.ndarray, sp_committed: np.ndarra
     worst = n_short = 0
     for j in range(n):
         b = ids[j]
-        i = bundle_index[b] if 0 <= b < bundle_index.shape[0] else -1
+        i = space_of(bundle_index, b)
         if i < 0:  # commands activate every pool; a damaged journal could leave one out
             raise ValueError("grow: an active sequence has no space in this pool (§7.1)")
         c, e = sp_committed[i], sp_entitlement[i]

@@ -32,7 +32,7 @@ from numba.core import config
 
 KERNELS = Path(__file__).parent
 ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
-                       ("round_kernels.py", "apply_kernels.py", "page_life_kernels.py",
+                       ("bundle_table.py", "round_kernels.py", "apply_kernels.py", "page_life_kernels.py",
                         "free_ids.py", "layout.py", "msgpack_rows.py", "invariant_kernels.py"))
 """The control plane's compiled loops (and the page size they bake in) share the cache."""
 JOURNAL_KERNELS = tuple(KERNELS.parent / "journal" / f for f in ("frames.py", "format.py"))

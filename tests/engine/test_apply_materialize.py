@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.apply import apply
+from ninfer_kv.engine.bundle_table import from_dense
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.journal import events as ev
@@ -142,7 +143,7 @@ def test_materialize_asks_for_room_and_changes_nothing() -> None:
         members, slot_bits, *pg = arrays
         nmem, groups = sp_nmem.copy(), page_bits.copy()
         got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2, 16,
-                             bundle_index, sp_active, nmem, members, slot_bits, groups,
+                             from_dense(bundle_index), sp_active, nmem, members, slot_bits, groups,
                              np.zeros(n_pg, np.bool_), *pg)
         return tuple(int(x) for x in got), [members, nmem, groups, *pg]
 
@@ -168,7 +169,8 @@ def test_materialize_refuses_fields_of_different_lengths() -> None:
     one, two = np.zeros(1, np.int32).tobytes(), np.zeros(2, np.int32).tobytes()
     z = np.zeros(4, np.int64)
     for raws in ((one, one, two), (one, two, one), (two, one, one), (one[:3], one[:3], one[:3])):
-        got = ak.materialize(*raws, 0, 4, z, z.astype(np.bool_), z, np.full((4, 4), -1, np.int32),
+        got = ak.materialize(*raws, 0, 4, from_dense(z), z.astype(np.bool_), z,
+                             np.full((4, 4), -1, np.int32),
                              z.astype(np.bool_), z.astype(np.bool_), z.astype(np.bool_),
                              *[z.copy() for _ in range(8)])
         assert got[0] == ak.LENGTHS
@@ -271,11 +273,11 @@ def test_apply_grow_refuses_each_rule_unchanged(bad: str) -> None:
         pages[j] = -1
     else:
         pages[j] = 4  # 3 + 4 > L = 6
-    code, at, added = ak.apply_grow(ev.pack(seqs), ev.pack(pages), bundle_index, sp_active,
-                                    ent, 6)
+    table = from_dense(bundle_index)
+    code, at, added = ak.apply_grow(ev.pack(seqs), ev.pack(pages), table, sp_active, ent, 6)
     assert (code, at, added) == (ak.GROW_BAD, j, 0)
     assert ent.tolist() == [2, 3, 4]
     sp_active[:] = True
-    assert ak.apply_grow(ev.pack([1, 2, 3]), ev.pack([1, 1, 2]), bundle_index, sp_active, ent,
+    assert ak.apply_grow(ev.pack([1, 2, 3]), ev.pack([1, 1, 2]), table, sp_active, ent,
                          6) == (ak.OK, -1, 4)
     assert ent.tolist() == [3, 4, 6]

@@ -170,8 +170,8 @@ def _member_swapped(st: StoreState, slot: int, i: int) -> None:
 def _index_lost(st: StoreState, slot: int, i: int) -> None:
     p = st.pools["main"]
     b = int(p.sp_bundle[i])
-    if b >= 0:
-        p.bundle_index[b] = -1
+    if b >= 0 and b in p.bundle_table.items():  # the compiled loops' map loses its entry
+        p.bundle_table.remove(b)
 
 
 def _bundle_lost(st: StoreState, slot: int, i: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ninfer_kv.engine.bundle_table import from_dense
 from ninfer_kv.engine.capacity import Backend
 from ninfer_kv.engine.layout import P, PoolKind, ceil_div
 from ninfer_kv.engine.store import KVStore
@@ -164,7 +165,7 @@ def test_grow_pool_matches_numpy(rnd, lead: int) -> None:
                       np.int64)
     args = (ids, bundle_index, committed, ent, budget, lp * P, lp, rnd.randint(1, 200),
             rnd.choice([0, 64]), rnd.randint(1, 8), lead, rnd.randint(0, 3 * n + 2))
-    got, cover, granted, short, n_short = rk.grow_pool(*args)
+    got, cover, granted, short, n_short = rk.grow_pool(args[0], from_dense(args[1]), *args[2:])
     assert (got.tolist(), cover.tolist(), granted, short, n_short) == numpy_grow(*args)
 
 
@@ -207,5 +208,5 @@ def test_grow_refuses_an_active_sequence_without_a_space() -> None:
     z = np.zeros(2, np.int64)
     for bundle_index in (np.array([0, -1], np.int64), np.array([0], np.int64)):
         with pytest.raises(ValueError, match="no space in this pool"):
-            rk.grow_pool(np.array([0, 1], np.int64), bundle_index, z, z, z, 640, 10, 1, 0, 1,
+            rk.grow_pool(np.array([0, 1], np.int64), from_dense(bundle_index), z, z, z, 640, 10, 1, 0, 1,
                          0, 5)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.engine import invariant_kernels as ik
+from ninfer_kv.engine.bundle_table import from_dense
 from ninfer_kv.engine.layout import P
 
 NO_PAGE = -1
@@ -141,7 +142,8 @@ def test_check_commit_matches_oracle(n: int, rnd) -> None:
             pg_protected)
     want_mirror = mirror.copy()
     for _ in range(2):
-        got = ik.check_commit(np.array(bundles, np.int32).tobytes(), *args, mirror)
+        got = ik.check_commit(np.array(bundles, np.int32).tobytes(), from_dense(bundle_index),
+                              *args[1:], mirror)
         want = oracle_commit(bundles, *args, want_mirror)
         assert [tuple(r[:len(w)]) for r, w in zip(got.tolist(), want, strict=True)] == want
         assert mirror.tolist() == want_mirror.tolist()
@@ -155,7 +157,7 @@ def test_check_commit_stops_at_a_negative_member() -> None:
     live = np.ones(3, np.bool_)
     live[2] = False  # the last slot: what a wrapped index would read
     mirror = np.array([10], np.int64)
-    rows = ik.check_commit(np.array([0], np.int32).tobytes(), np.array([0], np.int64),
+    rows = ik.check_commit(np.array([0], np.int32).tobytes(), from_dense(np.array([0])),
                            np.array([3 * P], np.int64), np.array([4], np.int64),
                            np.array([0], np.int64), members, 3, live,
                            np.full(3, P, np.int64), np.zeros(3, np.int64), mirror)

@@ -17,6 +17,7 @@ from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine import page_life
 from ninfer_kv.engine import page_life_kernels as plk
 from ninfer_kv.engine import round_kernels as rk
+from ninfer_kv.engine.bundle_table import from_dense
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.pool import PoolState
@@ -55,7 +56,7 @@ def pools(draw):
 def test_resolve_matches_oracle(pool, bundles):
     bundle_index, sp_active = pool
     b = np.array(bundles, I64)
-    idx, code, j = rk.resolve(b, bundle_index, sp_active)
+    idx, code, j = rk.resolve(b, from_dense(bundle_index), sp_active)
     assert (code, j) == oracle_resolve(bundles, bundle_index, sp_active)
     if code == rk.OK:
         assert idx.tolist() == [int(bundle_index[x]) for x in bundles]
@@ -63,7 +64,8 @@ def test_resolve_matches_oracle(pool, bundles):
 
 def test_resolve_refuses_a_bundle_without_space_even_when_the_last_space_is_active():
     """bundle_index -1 must not wrap around to the last space (numpy's a[-1])."""
-    idx, code, j = rk.resolve(np.array([0], I64), np.array([-1, 0], I64), np.array([True]))
+    idx, code, j = rk.resolve(np.array([0], I64), from_dense(np.array([-1, 0], I64)),
+                             np.array([True]))
     assert (code, j) == (rk.UNKNOWN, 0)
 
 
@@ -99,7 +101,7 @@ def test_plan_mapping_matches_oracle(rows, logical_pages):
     bundle_index[bundles] = idx
     active = np.ones(len(rows), np.bool_)
     code2, j2, i2, n2, g, _, _, out = rk.map_round(
-        bundles, bundle_index, active, tokens, nmem, ent, logical_pages, free, 0, 3, 8,
+        bundles, from_dense(bundle_index), active, tokens, nmem, ent, logical_pages, free, 0, 3, 8,
         groups, 0, 64)
     assert (code2, j2) == want
     assert i2 == (j2 if code2 in (rk.FRONTIER, rk.ENTITLEMENT) else -1)  # its space
@@ -170,7 +172,8 @@ def test_check_commit_matches_oracle(args):
     bundle_index = np.full(int(bundles.max()) + 2, -1, I64)
     bundle_index[bundles] = idx
     active = np.ones(len(idx), np.bool_)
-    code, j, blk, i, out = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:], 1 << 40)
+    code, j, blk, i, out = rk.commit_round(bundles, from_dense(bundle_index), active, rest[0],
+                                           *rest[1:], 1 << 40)
     assert (int(code), int(j), int(blk)) == oracle_check_commit(*args)
     assert i == (idx[j] if code != rk.OK else -1)  # the space the refusal names
     if code == rk.OK:  # CommitFrontiers' two fields, as pack writes them
@@ -178,7 +181,7 @@ def test_check_commit_matches_oracle(args):
     else:
         assert len(out) == 0
     active[idx[-1]] = False  # an inactive checkpoint is refused before any frontier rule
-    code, j, _, _, _ = rk.commit_round(bundles, bundle_index, active, rest[0], *rest[1:], 1 << 40)
+    code, j, _, _, _ = rk.commit_round(bundles, from_dense(bundle_index), active, rest[0], *rest[1:], 1 << 40)
     assert (code, j) == oracle_resolve(bundles.tolist(), bundle_index, active)
 
 
@@ -214,7 +217,7 @@ def test_apply_commit_matches_oracle(args, repeat: bool, dead: int):
         want_sp[i] = f
     if want_bad >= 0:
         want_pg, want_sp = pg.copy(), committed.copy()
-    got = ak.apply_commit(bundles, frontiers, bundle_index, committed, nmem, members, pg, active,
+    got = ak.apply_commit(bundles, frontiers, from_dense(bundle_index), committed, nmem, members, pg, active,
                           live, writer)
     assert got == want_bad
     assert pg.tolist() == want_pg.tolist() and committed.tolist() == want_sp.tolist()
@@ -234,7 +237,7 @@ def test_apply_commit_into_an_inactive_space_applies_nothing() -> None:
     committed = np.array([5, 5], I64)
     pg = np.zeros(4, I64)
     members = np.array([[0, 1], [2, 3]], np.int32)
-    bad = ak.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), np.array([0, 1], I64),
+    bad = ak.apply_commit(np.array([0, 1], I64), np.array([9, 9], I64), from_dense(np.arange(2)),
                           committed, np.array([2, 2], I64), members, pg, np.array([True, False]),
                           *_writable(members, [0, 1]))
     assert bad == 1 and committed.tolist() == [5, 5] and pg.tolist() == [0, 0, 0, 0]
@@ -244,7 +247,7 @@ def test_apply_commit_of_an_unknown_seq_applies_nothing():
     committed = np.array([5], I64)
     pg = np.zeros(2, I64)
     members = np.array([[0, 1]], np.int32)
-    bad = ak.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), np.array([0], I64),
+    bad = ak.apply_commit(np.array([0, 7], I64), np.array([9, 9], I64), from_dense(np.arange(1)),
                           committed, np.array([2], I64), members, pg, np.ones(1, np.bool_),
                           *_writable(members, [0]))
     assert bad == 1 and committed.tolist() == [5] and pg.tolist() == [0, 0]
@@ -259,7 +262,7 @@ def test_apply_commit_past_the_membership_applies_nothing() -> None:
     members = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
     pg = np.zeros(4, I64)
     bad = ak.apply_commit(np.array([0, 1], I64), np.array([10, 3 * P + 1], I64),
-                          np.array([0, 1], I64), committed, np.array([2, 2], I64), members, pg,
+                          from_dense(np.arange(2)), committed, np.array([2, 2], I64), members, pg,
                           np.ones(2, np.bool_), *_writable(members, [0, 1]))
     assert bad == 1 and committed.tolist() == [0, 0] and pg.tolist() == [0, 0, 0, 0]
 
@@ -276,7 +279,7 @@ def test_materialize_plan_matches_oracle(pool, pages, nmem):
     sp_nmem = np.array(nmem[:len(sp_active)], I64)
     b = np.array([x for x, _ in pages], I64)
     devs = np.array([d for _, d in pages], I64)
-    idx, code, j, width = ak.materialize_plan(b, devs, bundle_index, sp_active, sp_nmem)
+    idx, code, j, width = ak.materialize_plan(b, devs, from_dense(bundle_index), sp_active, sp_nmem)
     want, grown = (rk.OK, -1), sp_nmem.copy()
     for k, (x, d) in enumerate(pages):
         i = bundle_index[x] if 0 <= x < len(bundle_index) else -1
@@ -321,7 +324,7 @@ def test_apply_commit_refuses_a_damaged_membership(damage: str) -> None:
     committed = np.zeros(len(nmem), I64)
     before = (members.copy(), committed.copy(), pg_big.copy())
     bad = ak.apply_commit(np.array([0], I64), np.array([frontier], I64),
-                          np.arange(len(nmem), dtype=I64), committed, nmem, members, pg,
+                          from_dense(np.arange(len(nmem))), committed, nmem, members, pg,
                           np.ones(len(nmem), np.bool_), live, writer)
     assert bad == 0
     assert (members.tolist(), committed.tolist(), pg_big.tolist()) == tuple(
@@ -470,7 +473,7 @@ def test_publish_rows_matches_oracle(args):
     want = oracle_publish(b.tolist(), s.tolist(), bundle_index.tolist(), sp_active.tolist(),
                           sp_row.tolist(), members.tolist(), nmem.tolist(), device.tolist(),
                           want_t, want_p)
-    bad, done = rk.publish_rows(b, s, bundle_index, sp_active, sp_row, members, nmem, device,
+    bad, done = rk.publish_rows(b, s, from_dense(bundle_index), sp_active, sp_row, members, nmem, device,
                                 tables, published, np.ones(len(device), np.bool_))
     assert (bad, done.tolist()) == want
     assert tables.tolist() == want_t and published.tolist() == want_p
@@ -484,7 +487,7 @@ def test_publish_rows_stops_at_a_row_outside_the_table() -> None:
     members = np.zeros((2, 2), np.int32)
     tables, published = np.full((2, 2), -1, I64), np.zeros(2, I64)
     for row in (2, -1):
-        bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), bundle_index,
+        bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), from_dense(bundle_index),
                                     np.array([True, True]), np.array([row, 1], I64), members,
                                     np.array([1, 1], I64), np.array([7], I64), tables, published,
                                     np.ones(1, np.bool_))
@@ -511,7 +514,7 @@ def test_publish_rows_stops_at_a_damaged_membership(damage: str) -> None:
         members[1, 1] = len(live)
     else:
         nmem[1] = 3
-    bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), bundle_index,
+    bad, done = rk.publish_rows(np.array([0, 1], I64), np.zeros(2, I64), from_dense(bundle_index),
                                 np.array([True, True]), np.array([0, 1], I64), members, nmem,
                                 np.array([10, 11, 12, 13, 14], I64), tables, published, live)
     assert (bad, done.tolist()) == (1, [[0, 0, 2]])
@@ -548,7 +551,7 @@ def test_provisional_round_matches_oracle(args):
     """The command refuses an unknown or repeated seq (``resolve``), then a frontier outside
     [0, membership]; on success its output is the event's two packed fields."""
     bundles, frontiers, bundle_index, sp_active, nmem = args
-    code, j, i, out = rk.provisional_round(bundles, bundle_index, sp_active, frontiers, nmem)
+    code, j, i, out = rk.provisional_round(bundles, from_dense(bundle_index), sp_active, frontiers, nmem)
     rcode, rj = oracle_resolve(bundles.tolist(), bundle_index, sp_active)
     if rcode != rk.OK:
         assert (code, j, len(out)) == (rcode, rj, 0)
@@ -574,13 +577,13 @@ def test_apply_provisional_matches_oracle(args):
     if bad < 0:
         for b, f in zip(bundles.tolist(), frontiers.tolist(), strict=True):
             want[bundle_index[b]] = f
-    got = ak.apply_provisional(pack(bundles), pack(frontiers), bundle_index, sp_active, nmem,
+    got = ak.apply_provisional(pack(bundles), pack(frontiers), from_dense(bundle_index), sp_active, nmem,
                                prov)
     assert got == bad and prov.tolist() == want.tolist()
-    assert ak.apply_provisional(pack(bundles), pack([*frontiers.tolist(), 0]), bundle_index,
+    assert ak.apply_provisional(pack(bundles), pack([*frontiers.tolist(), 0]), from_dense(bundle_index),
                                 sp_active, nmem, prov) == ak.COMMIT_LENGTHS
     raw = pack(bundles) + b"\0\0"    # equally long fields, not whole int32s
-    assert ak.apply_provisional(raw, raw, bundle_index, sp_active, nmem,
+    assert ak.apply_provisional(raw, raw, from_dense(bundle_index), sp_active, nmem,
                                 prov) == ak.COMMIT_LENGTHS
     assert prov.tolist() == want.tolist()
 
