@@ -116,7 +116,7 @@ RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engin
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "integrations/hf_served.py", "dist/replica.py",
                  "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py",
-                 "cache/index.py", "cache/retention.py")
+                 "cache/index.py", "cache/retention.py", "engine/state.py")
 
 TARGETS: tuple[Target, ...] = (
     *(Target(m, "raise") for m in RAISE_MODULES),
@@ -126,6 +126,7 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/invariants.py", "check"),
     Target("engine/incremental*.py", "check"),
     Target("engine/host_arena.py", "check", ("ExtentAllocator.violations",)),
+    Target("engine/bundle_table.py", "check", ("BundleTable.check",)),
     Target("engine/host.py", "filter", ("can_drop_device", "replica_valid", "_select", "offload",
                                         "drop_device", "drop_host", "drops_after_publish",
                                         "drops_after_unpin")),
@@ -194,7 +195,10 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"dist/{m}", ["tests/dist/test_packing.py", "tests/dist/test_replica_refusals.py"], [])
       for m in ("transfer.py", "receive.py", "packing.py")),
     ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
-    ("engine/invariants.py", [*INCREMENTAL, *ENGINE], MACHINE),
+    ("engine/invariants.py", ["tests/engine/test_bundle_table.py", *INCREMENTAL, *ENGINE],
+     MACHINE),
+    ("engine/bundle_table.py", ["tests/engine/test_bundle_table.py", *ENGINE], MACHINE),
+    ("engine/state.py", ["tests/engine/test_seq_ids.py", *ENGINE], MACHINE),
     ("engine/incremental*.py", INCREMENTAL, MACHINE),
     ("engine/host_arena.py", ["tests/engine/test_host_arena.py", *INCREMENTAL, *ENGINE], MACHINE),
     ("engine/host.py", ["tests/engine/test_host_tier.py", *ENGINE], MACHINE),

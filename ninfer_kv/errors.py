@@ -113,6 +113,13 @@ class CapacityExhausted(StateError):
         self.short = short
 
 
+class IdsExhausted(StateError):
+    """The journal has handed out the last seq id it can record: batched events pack seq ids
+    as int32 (docs/journal-format.md), so ids end at 2**31 - 1. Nothing frees one (ids are
+    never reused: a stale id must never name a new sequence), so retrying does not help; the
+    store still serves what exists. Continue in a new journal directory."""
+
+
 class FrozenUnit(StateError):
     """A mutation of tables, memberships or frontiers while a GPU unit is in flight (spec §8.4)."""
 

@@ -30,7 +30,7 @@ from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.args import as_int, metadata_room, one_of
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState
+from ninfer_kv.engine.state import StoreState, new_ids
 from ninfer_kv.errors import (
     CapacityExhausted,
     FrontierError,
@@ -93,7 +93,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} > "
                             f"S={store.plan.S} (§3.2)")
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
-    dst = st.next_bundle
+    dst = new_ids(st)
     plans: list[_Plan] = []
     for pool in names:                                          # 1. create / claim
         if hook:
@@ -261,7 +261,7 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
     if f < P:
         raise FrontierError(f"seq {bundle}: share_prefix frontier {f} holds no whole page "
                             f"(P={P}); only full, committed pages are shared")
-    dst = st.next_bundle
+    dst = new_ids(st)
     store._emit(*(ev.Share(bundle, dst, pool, f // P) for pool in b.pools))
     return dst
 
@@ -293,7 +293,7 @@ def release_tail(store: Txn, checkpoint: int, frontier: int | Mapping[str, int])
                                 f"{committed}), not {f0}")
         fs = dict.fromkeys(b.pools, f0)
     keep = {pool: f // P for pool, f in fs.items()}
-    dst = st.next_bundle if any(keep.values()) else None
+    dst = new_ids(st) if any(keep.values()) else None
     events: list[Any] = [ev.Prefix(checkpoint, dst, pool, keep[pool]) for pool in b.pools] \
         if dst is not None else []
     events.extend(ev.Release(checkpoint, pool) for pool in b.pools)
@@ -336,8 +336,9 @@ def fork_live(store: Txn, bundle: int, frontier: int | Mapping[str, int] | None,
         raise FrontierError(f"fork_live: frontier {top} + max_output_tokens {max_output_tokens} "
                             f"= {total} must be in [1, S={store.plan.S}] (§3.2)")
     shares = any(f >= P for f in fs.values())
-    ck = st.next_bundle if shares else -1
-    dst = st.next_bundle + (1 if shares else 0)
+    first = new_ids(st, 2 if shares else 1)
+    ck = first if shares else -1
+    dst = first + (1 if shares else 0)
     plans: dict[str, tuple[int, int, tuple[int, int, int, int] | None]] = {}
     for pool, sp in spaces.items():
         p = st.pools[pool]

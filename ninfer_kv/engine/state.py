@@ -23,7 +23,22 @@ from ninfer_kv.engine.host_arena import ExtentAllocator
 from ninfer_kv.engine.msgpack_rows import encode_rows
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.errors import IdsExhausted
 from ninfer_kv.journal.events import PoolSpec
+
+MAX_BUNDLE = (1 << 31) - 1
+"""The last seq id a journal can hand out: batched events pack seq ids as int32."""
+
+
+def new_ids(st: StoreState, n: int = 1) -> int:
+    """The first of the ``n`` seq ids a command is about to hand out (``next_bundle`` on; the
+    events' ``apply`` advances it), refused with ``IdsExhausted`` before anything is emitted
+    when the last would not fit the journal's int32 fields."""
+    if st.next_bundle + n - 1 > MAX_BUNDLE:
+        raise IdsExhausted(f"seq ids exhausted: the next is {st.next_bundle}, the last a journal "
+                           f"can record is {MAX_BUNDLE} (int32 fields); ids are never reused: "
+                           "continue in a new journal directory")
+    return st.next_bundle
 
 
 class StoreState:
@@ -166,7 +181,7 @@ def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray,
         if (len(t) not in (8, 9) or type(t[4]) is not bool  # float would be truncated below
                 or any(type(x) is not int for x in ints)):
             raise bad(f"space {list(t)[:7]}: a field of the wrong type or count")
-        if not 0 <= t[0] < next_bundle:  # a seq id indexes bundle_index (-1 would wrap)
+        if not 0 <= t[0] < next_bundle:  # ids are handed out in order (a negative one is none)
             raise bad(f"seq {t[0]} out of range of the ids handed out [0, {next_bundle})")
         if len(members) > spec.logical_pages or any(not 0 <= m < n for m in members):
             raise bad(f"seq {t[0]}: membership {list(members)[:8]} out of range")

@@ -33,7 +33,7 @@ from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import digest
+from ninfer_kv.engine.state import digest, new_ids
 from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
@@ -129,7 +129,7 @@ class KVStore(StoreCore):
                                 f"tokens > S={self.plan.S}, the logical ceiling (§3.2)")
         plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
-        bundle = self.state.next_bundle
+        bundle = new_ids(self.state)
         events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows.first(), total,
                               prompt_tokens)
                   for p, n in plan.items()]
