@@ -81,7 +81,8 @@ def test_memory_follows_the_live_sequences_not_the_ids_handed_out(tmp_path: Path
 
 
 def test_the_invariant_check_notices_a_damaged_table(tmp_path: Path) -> None:
-    """An entry missing, or pointing at another space's index: §14 reports it."""
+    """An entry missing, one pointing at another space's index, or the kernels' array not
+    the table's (a copy left behind by a rebuild): §14 reports each."""
     s = KVStore.open(small_config(tmp_path, pages=64, concurrency=4, allocate_planes=False))
     a, b = s.activate(40, 8), s.activate(40, 8)
     with s.boundary():
@@ -98,6 +99,9 @@ def test_the_invariant_check_notices_a_damaged_table(tmp_path: Path) -> None:
     pool.bundle_table.insert(a, pool.spaces[a].i)
     pool.bundle_index = pool.bundle_table.array
     assert s.violations() == []
+    pool.bundle_index = pool.bundle_index.copy()  # what the kernels read, left behind by a
+    assert any("not the bundle table's array" in v for v in s.violations())  # rebuild
+    pool.bundle_index = pool.bundle_table.array
     s.close()
 
 
