@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ ops = st.lists(st.tuples(st.booleans(), st.integers(0, 1 << 40), st.integers(0, 
 
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(0, 3))
-@example([(True, 64 * k, 0) for k in range(40)] + [(False, 0, 0)] * 40, 1)  # one home, 40 ids
+@example([(True, 64 * k, 0) for k in range(40)] + [(False, 0, 0)] * 40, 1)  # congruent ids
 def test_table_matches_a_dict(steps: list[tuple[bool, int, int]], style: int) -> None:
     """Inserts and removals of ids that are recent (a sliding window, as the engine hands them
     out), congruent modulo the capacity (one home entry), or arbitrary: every lookup answers
@@ -49,6 +50,32 @@ def test_table_matches_a_dict(steps: list[tuple[bool, int, int]], style: int) ->
         assert t.array.shape[0] <= max(bt.MIN_CAPACITY, 8 * (peak + 1))
     for b in [*model, -1, -5, nxt, nxt * 64 + 1, 1 << 41]:
         assert bt.lookup(t.array, b) == model.get(b, -1)
+
+
+def test_ids_sharing_one_home_are_all_found() -> None:
+    """40 ids whose home is one entry of the minimum table (a probe chain of 40), then half
+    of them removed: each lookup walks the chain past tombstones."""
+    mask = bt.MIN_CAPACITY - 1
+    same = [b for b in range(200_000) if bt.home(b, mask) == 7][:40]
+    t = bt.BundleTable()
+    t.array = bt.new_table(128)  # no rebuild (it would spread them): the chain stays
+    for k, b in enumerate(same[:30]):
+        t.insert(b, k)
+    for b in same[:30:2]:
+        t.remove(b)
+    assert t.array.shape[0] == 128 and t.check() == []
+    for k, b in enumerate(same[:30]):
+        assert bt.lookup(t.array, b) == (-1 if k % 2 == 0 else k)
+    for b in same[30:]:
+        assert bt.lookup(t.array, b) == -1
+
+
+def test_a_damaged_table_without_room_is_refused_not_looped() -> None:
+    """Every entry taken (a damaged table): an insert raises instead of probing forever."""
+    t = bt.BundleTable()
+    t.array = np.column_stack([np.arange(100, 164), np.zeros(64, np.int64)])
+    with pytest.raises(AssertionError, match="no free entry"):
+        t.insert(7, 0)
 
 
 def test_a_lookup_of_a_full_damaged_table_ends() -> None:
@@ -111,12 +138,14 @@ def test_check_names_each_broken_invariant() -> None:
     t = bt.BundleTable()
     t.insert(5, 0)
     assert t.check() == []
-    t.array[5] = (bt.GONE, bt.EMPTY)  # removed behind the counts' back
+    h = bt.home(5, bt.MIN_CAPACITY - 1)
+    t.array[h] = (bt.GONE, bt.EMPTY)  # removed behind the counts' back
     assert any("counts 1 live / 0 removed, holds 0 / 1" in v for v in t.check())
     t = bt.BundleTable()
     t.insert(5, 0)
-    t.array[5], t.array[7] = (bt.EMPTY, bt.EMPTY), (5, 0)  # an EMPTY entry before it
-    assert any("bundle 5 at entry 7 is not found" in v for v in t.check())
+    far = (h + 2) % bt.MIN_CAPACITY
+    t.array[h], t.array[far] = (bt.EMPTY, bt.EMPTY), (5, 0)  # an EMPTY entry before it
+    assert any(f"bundle 5 at entry {far} is not found" in v for v in t.check())
     t = bt.BundleTable()
     t.array = bt.new_table(4)
     for b in (0, 1, 2):
