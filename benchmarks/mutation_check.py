@@ -107,7 +107,8 @@ KIND_OPS: dict[str, tuple[str, ...]] = {"raise": ("raise",), "check": ("check",)
                                         "filter": ("select", "guard"), "recovery": ("guard",),
                                         "assert": ("assert",)}
 
-RAISE_MODULES = ("engine/core.py", "engine/store.py", "engine/decode.py", "engine/termination.py",
+RAISE_MODULES = ("engine/core.py", "engine/command.py", "engine/store.py", "engine/decode.py",
+                 "engine/termination.py",
                  "engine/continuation.py", "engine/host.py", "engine/growth.py",
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "journal/lock.py", "journal/log.py", "journal/recovery.py",

@@ -37,6 +37,7 @@ import structlog
 
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.state import MAX_BUNDLE
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 
@@ -236,8 +237,8 @@ class LruRetention:
                   min(len(sp.members) for sp in spaces) - short)  # pool loses >= short pages
         blocks = max(0, cap) * P // bt                            # whole key blocks in them
         keep = -(-blocks * bt // P)                               # the pages those blocks span
-        if blocks == 0:
-            return self._release(store, ck)
+        if blocks == 0 or store.state.next_bundle > MAX_BUNDLE:  # or no id left for the prefix
+            return self._release(store, ck)                      # (release_tail makes one)
         e = self.entries[ck]
         kids = [c for c, x in self.entries.items() if x.parent == ck]
         # the store first (a refusal leaves the policy as it was), then the policy follows;

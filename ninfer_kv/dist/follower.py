@@ -291,7 +291,7 @@ class Follower:
                 self.stats["records"] += 1
         except BaseException as exc:  # an interrupt (Ctrl-C, a signal handler's SystemExit)
             # or a bug: a record half applied, or applied with seq not advanced — stop, as
-            # ``engine.core.command`` stops a store; _apply named what it refused already
+            # ``engine.command.command`` stops a store; _apply named what it refused already
             if self.failed is None:
                 self.failed = f"record {self.seq + 1}: {type(exc).__name__}: {exc}"
                 log.error("replica.failed", reason=self.failed)

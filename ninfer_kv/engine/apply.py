@@ -23,7 +23,7 @@ from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life import I64, drop_membership, members_of, new_members
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState
+from ninfer_kv.engine.state import MAX_BUNDLE, StoreState
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import unpack
 
@@ -49,8 +49,9 @@ def _configure(st: StoreState, e: ev.Configure) -> None:
 
 def _activate(st: StoreState, e: ev.Activate) -> None:
     pool = st.pools[e.pool]
-    assert 0 <= e.bundle <= st.next_bundle, \
-        f"Activate of seq {e.bundle}: ids are handed out in order (the next is {st.next_bundle})"
+    assert 0 <= e.bundle <= min(st.next_bundle, MAX_BUNDLE), \
+        f"Activate of seq {e.bundle}: ids are handed out in order (the next is " \
+        f"{st.next_bundle}), up to {MAX_BUNDLE} (int32 fields)"
     assert e.bundle not in pool.spaces, f"Activate of seq {e.bundle}: it has a space in {e.pool}"
     assert e.row in pool.free_rows and 0 <= e.held <= e.entitlement <= pool.logical_pages \
         and 0 <= e.budget < (1 << 63), \

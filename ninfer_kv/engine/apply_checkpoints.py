@@ -26,7 +26,7 @@ from ninfer_kv.engine.page_life import (
 )
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.engine.state import StoreState
+from ninfer_kv.engine.state import MAX_BUNDLE, StoreState
 from ninfer_kv.journal import events as ev
 
 
@@ -164,8 +164,9 @@ def _new_checkpoint(st: StoreState, pool: PoolState, dst_id: int, shared: np.nda
                     reason: str, what: str) -> None:
     """Inactive checkpoint ``dst_id`` holds ``shared`` (whole pages) in ``pool``: a new bundle,
     or the one an earlier event of the same command made in another pool."""
-    assert 0 <= dst_id <= st.next_bundle, \
-        f"{what} into {dst_id}: ids are handed out in order (the next is {st.next_bundle})"
+    assert 0 <= dst_id <= min(st.next_bundle, MAX_BUNDLE), \
+        f"{what} into {dst_id}: ids are handed out in order (the next is {st.next_bundle}), " \
+        f"up to {MAX_BUNDLE} (int32 fields)"
     assert dst_id not in pool.spaces, f"{what} into {dst_id}: it has a space in {pool.name}"
     b = st.bundles.get(dst_id)
     assert b is None or (not b.active and b.finish_reason == reason), \

@@ -11,10 +11,9 @@ every later mutating call raises ``StoreFailed`` until the store is reopened.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -51,43 +50,6 @@ def loads(payload: bytes) -> bool:
     return True
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def command(fn: F) -> F:
-    """A mutating command of ``KVStore``: all of it happens, or none of it, or the store fails.
-
-    Commands validate, then emit (applied at once), then fill the boundary's queues. An
-    exception escaping once the first event reached ``apply`` — ``KeyboardInterrupt``,
-    ``SystemExit`` from a signal handler, ``MemoryError``, a bug — would leave half a
-    command for the next boundary (or ``close``) to journal: a page mapped in the state and
-    missing from the block table, a COW tail whose copy never runs. So it fails the store
-    (fail-stop: nothing pending is published, a reopen recovers from the journal); a
-    ``KeyboardInterrupt`` or ``SystemExit`` then reaches the engine unchanged, any other
-    exception as ``StoreFailed`` from it. An exception before the first event (a typed
-    refusal, an interrupt while planning) changed nothing and passes through."""
-    @functools.wraps(fn)
-    def run(self: StoreCore, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
-        return guarded(fn, self, args, kwargs)
-    return cast(F, run)
-
-
-def guarded(fn: Callable[..., Any], store: StoreCore, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:  # noqa: ANN401
-    """``command``'s body, looked up at each call (a patch takes effect in decorated ones)."""
-    mark = store._applied
-    try:
-        return fn(store, *args, **kwargs)
-    except BaseException as exc:
-        if store._applied == mark or store._failed is not None:
-            raise
-        store._fail(fn.__name__, exc)
-        if not isinstance(exc, Exception):
-            raise
-        raise StoreFailed(f"{fn.__name__} raised after it changed the state; the store "
-                          f"stopped: {store._failed}") from exc
-
-
 class StoreCore:
     """Lifecycle (open, close, snapshot, compact), fail-stop and the boundary. Not thread-safe
     (one engine loop). ``KVStore`` adds the commands."""
@@ -118,7 +80,8 @@ class StoreCore:
         self._failed: str | None = None
         self._locks = list(locks)
         self._snapshot_seq = state.seq
-        self._pid = os.getpid()  # a forked child must not write this store's files
+        self._pid = Process.pid  # a forked child must not use this store (commands check)
+        self._os_pid = os.getpid()  # ... nor write its files (what writes asks the kernel)
         self.fault_hook: Callable[[str, str], None] | None = None
         """Test hook called as (step, pool) at each planning step of an activation."""
         self.record_hook: Callable[[int, list[Any]], None] | None = None
@@ -150,7 +113,7 @@ class StoreCore:
         if self._closed:
             self._release_locks()  # a close interrupted in its last lines left some
             return
-        if os.getpid() != self._pid:  # a forked child's copy: write nothing, keep no lock
+        if os.getpid() != self._os_pid:  # a forked child's copy: write nothing, keep no lock
             self._closed = True
             return
         try:
@@ -185,7 +148,7 @@ class StoreCore:
             self._locks.pop()
 
     def snapshot(self) -> str | None:
-        self._usable("snapshot")
+        self._writer("snapshot")
         if self.journal is None:
             return None
         if self._pending or self._transfers or self._effects:
@@ -198,7 +161,7 @@ class StoreCore:
 
     def compact(self) -> int:
         """Remove journal segments wholly covered by the oldest kept snapshot."""
-        self._usable("compact")
+        self._writer("compact")
         if self.journal is None:
             return 0
         try:  # a snapshot open would skip licenses removing nothing
@@ -213,14 +176,25 @@ class StoreCore:
         if self._closed:
             raise StoreClosed(f"{what} refused: the store is closed")
         if Process.pid != self._pid:
-            raise StoreFailed(f"{what} refused: this store was opened by process {self._pid}; "
-                              "a forked child must open its own (one writer per directory)")
+            raise StoreFailed(f"{what} refused: this store was opened by process "
+                              f"{self._os_pid}; a forked child must open its own (one writer "
+                              "per directory)")
         if self._failed is not None:
             raise StoreFailed(f"{what} refused: the store failed earlier ({self._failed}); "
                               "reopen it to recover from the journal")
         if self._frozen:
             raise FrozenUnit(f"{what} refused: a GPU unit is in flight; tables, memberships and "
                              "frontiers are frozen until unit_complete() (§8.4)")
+
+    def _writer(self, what: str) -> None:
+        """``_usable``, then the kernel's pid: what writes the store's files (a boundary,
+        snapshot, compact) refuses in a child that ``Process`` missed — one forked by C code
+        bypassing ``PyOS_AfterFork`` — whose commands changed only its own memory."""
+        self._usable(what)
+        if os.getpid() != self._os_pid:
+            raise StoreFailed(f"{what} refused: this store was opened by process "
+                              f"{self._os_pid}, not this one ({os.getpid()}); a forked child "
+                              "must open its own (one writer per directory)")
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if self._failed is None:
@@ -368,11 +342,17 @@ class StoreCore:
 
     # --- the GPU boundary (§8.4, §13) ---------------------------------------------------------
     def close_boundary(self) -> int:
-        """Publish: journal record, device effects; then freeze until unit_complete()."""
-        self._usable("close_boundary")
+        """Publish: journal record, device effects; then freeze until unit_complete(). An
+        interrupt after the record (a ``KeyboardInterrupt`` between these lines) leaves the
+        store unfrozen: the caller never learned that a unit may run, so none does."""
+        self._writer("close_boundary")
         seq = self._publish_record()
-        self._frozen = True
-        return seq
+        try:
+            self._frozen = True
+            return seq
+        except BaseException:
+            self._frozen = False
+            raise
 
     def unit_complete(self) -> None:
         self._frozen = False

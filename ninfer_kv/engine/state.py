@@ -191,6 +191,9 @@ def _check_ranges(ps: _PoolSnap, spec: PoolSpec, n: int, pages: np.ndarray,
 
 def decode_state(data: bytes) -> StoreState:
     snap = msgspec.msgpack.decode(data, type=_StateSnap)
+    if not 0 < snap.next_bundle <= MAX_BUNDLE + 1:
+        raise ValueError(f"snapshot: next seq id {snap.next_bundle} outside [1, "
+                         f"{MAX_BUNDLE + 1}] (ids are int32 in the journal)")
     st = StoreState()
     st.seq, st.next_bundle, st.plan = snap.seq, snap.next_bundle, snap.plan
     st.pool_specs = list(snap.pool_specs)

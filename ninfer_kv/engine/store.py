@@ -27,8 +27,9 @@ import torch
 from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.args import as_int, as_ints, metadata_room, one_pair
+from ninfer_kv.engine.command import command
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
-from ninfer_kv.engine.core import StoreCore, command
+from ninfer_kv.engine.core import StoreCore
 from ninfer_kv.engine.invariants import violations
 from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
@@ -127,9 +128,11 @@ class KVStore(StoreCore):
         if total > self.plan.S:
             raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} "
                                 f"tokens > S={self.plan.S}, the logical ceiling (§3.2)")
+        # ids before capacity: an engine that evicts on CapacityExhausted and retries would
+        # evict for nothing once the ids are gone
+        bundle = new_ids(self.state)
         plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
-        bundle = new_ids(self.state)
         events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows.first(), total,
                               prompt_tokens)
                   for p, n in plan.items()]

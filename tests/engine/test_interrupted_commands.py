@@ -213,3 +213,33 @@ def test_an_interrupted_close_lets_the_directory_be_reopened(tmp_path: Path) -> 
     lines, start = inspect.getsourcelines(_unlock_and_close)
     first = start + next(i for i, x in enumerate(lines) if x.strip() == "try:")
     assert leaked <= {f"_unlock_and_close:{first}"}, leaked
+
+
+def test_an_interrupt_in_close_boundary_never_leaves_a_frozen_store_behind(
+        tmp_path: Path) -> None:
+    """Found when a transformers test's sampled interrupt moved onto ``close_boundary``'s
+    ``return``: the record was published and the store frozen, but the caller got the
+    interrupt instead of the seq, so no ``unit_complete`` followed and every later command
+    refused with ``FrozenUnit``. At every line of a boundary: the store is failed, or usable
+    and unfrozen, and a replay agrees with it."""
+    s, h = setup(tmp_path / "dry")
+    s.commit_many("main", [h["a"]], [90])
+    dry = Injector(0)
+    assert dry.run(s.close_boundary) is None
+    s.close()
+    for at in range(1, dry.lines + 1):
+        tmp = tmp_path / f"at{at}"
+        s, h = setup(tmp)
+        s.commit_many("main", [h["a"]], [90])
+        err = Injector(at).run(s.close_boundary)
+        assert isinstance(err, KeyboardInterrupt), (at, err)
+        if s.failed is None:
+            assert not s._frozen, at
+            s.activate(1, 1)  # usable
+            with s.boundary():
+                pass
+            live = s.digest()
+            s.close()
+            assert replay(str(tmp / "journal")).digest == live, at
+        else:
+            s.close()

@@ -67,3 +67,71 @@ def test_a_command_needing_two_ids_is_refused_whole_at_the_last_one(tmp_path: Pa
     assert s.activate(40, 8) == MAX_BUNDLE  # the one id left is still handed out
     s.check_invariants()
     s.close()
+
+
+def test_eviction_releases_whole_when_no_id_is_left_for_a_trimmed_prefix(
+        tmp_path: Path) -> None:
+    """Review finding: at the last id, ``LruRetention.make_room`` picked a tail trim, whose
+    ``release_tail`` needs an id for the prefix it keeps: ``IdsExhausted`` on every call, no
+    page freed, and the victim stayed first in line. It releases the checkpoint whole now."""
+    from ninfer_kv.cache.retention import LruRetention
+
+    s = near_the_end(tmp_path, 2)
+    a = s.activate(640, 100)
+    s.ensure_mapped_many("main", [a], [640])
+    with s.boundary():
+        pass
+    s.commit_many("main", [a], [640])
+    ck = s.finish(a, retain=True)
+    with s.boundary():
+        pass
+    cache = LruRetention(block_tokens=64)
+    cache.retain(ck, list(range(10)))
+    s.activate(64, 1000)  # the last id: still handed out
+    assert s.sole_device_pages(ck) == 10
+    assert cache.make_room(s, 2) == "release"
+    assert ck not in s.checkpoints() and ck not in cache.entries
+    s.check_invariants()
+    s.close()
+
+
+def test_no_id_past_the_last_is_admitted_from_a_journal_or_snapshot(tmp_path: Path) -> None:
+    """Review finding: only commands refused; ``apply`` took an Activate or a new checkpoint
+    past 2**31 - 1 (a damaged or foreign journal), and a snapshot could carry any
+    ``next_bundle``. Refused before any change now."""
+    from ninfer_kv.engine.apply import apply
+    from ninfer_kv.engine.state import decode_state, encode_state
+    from ninfer_kv.journal import events as ev
+
+    s = near_the_end(tmp_path, 1)
+    a = s.activate(100, 80)  # the last id, with a whole page committed: a source to share
+    s.ensure_mapped_many("main", [a], [100])
+    with s.boundary():
+        pass
+    s.commit_many("main", [a], [100])
+    st, before = s.state, s.digest()
+    row = st.pools["main"].free_rows.first()
+    for e in (ev.Activate(MAX_BUNDLE + 1, "main", 1, row, 64, 10),
+              ev.Share(a, MAX_BUNDLE + 1, "main", 1)):
+        with pytest.raises(AssertionError, match="int32"):
+            apply(st, e)
+        assert s.digest() == before
+    blob = encode_state(st)  # next_bundle = MAX_BUNDLE + 1: the most a journal reaches
+    assert decode_state(blob).next_bundle == MAX_BUNDLE + 1
+    st.next_bundle = MAX_BUNDLE + 2
+    with pytest.raises(ValueError, match="next seq id"):
+        decode_state(encode_state(st))
+    st.next_bundle = MAX_BUNDLE + 1
+    s.close()
+
+
+def test_activate_says_ids_before_capacity(tmp_path: Path) -> None:
+    """Review finding: ``activate`` checked capacity first, so an engine that evicts on
+    ``CapacityExhausted`` and retries released a cached checkpoint before learning that no
+    id was left. Ids are checked first now, as ``activate_from`` and ``fork_live`` do."""
+    s = near_the_end(tmp_path, 2)
+    s.activate(1990, 40)
+    s.activate(1990, 40)  # the last id; the two reserve the whole 64-page pool
+    with pytest.raises(IdsExhausted):
+        s.activate(1990, 40)  # no id, and no room either
+    s.close()

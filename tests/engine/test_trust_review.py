@@ -681,3 +681,50 @@ def test_an_unreadable_arena_token_is_a_config_error(tmp_path: Path, token: str)
     (tmp_path / token).mkdir()
     with pytest.raises(ConfigError, match=f"cannot read .*{token.split('/')[1]}: Is a direct"):
         KVStore.open(cfg())
+
+
+def test_a_child_forked_by_c_code_writes_nothing_into_the_parents_journal(
+        tmp_path: Path) -> None:
+    """Review finding (55d1b19): commands check a pid that ``os.register_at_fork`` renews,
+    which a fork made by C code (here ``libc.fork`` through ctypes) bypasses. Such a child
+    published a record into the parent's journal, and the parent's own next record was then
+    cut on reopen as a torn tail. Now what writes files (a boundary, snapshot, compact) asks
+    the kernel: the child is refused there; its own store, opened after the fork, works."""
+    import ctypes
+
+    s = host_store(tmp_path / "parent")
+    s.activate(10, 10)
+    step(s)
+    pid = ctypes.CDLL(None).fork()
+    if pid == 0:  # the child: exit 0 only if the parent's store refuses and its own works
+        code = 1
+        try:
+            s.activate(10, 10)  # its own memory only
+            try:
+                with s.boundary():
+                    pass
+            except StoreFailed:
+                for what in (s.snapshot, s.compact):
+                    try:
+                        what()
+                        break
+                    except StoreFailed:
+                        pass
+                else:
+                    own = KVStore.open(small_config(tmp_path / "child", pages=64,
+                                                    concurrency=4, allocate_planes=False))
+                    b = own.activate(10, 10)
+                    step(own)
+                    own.finish(b)
+                    own.close()
+                    code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    b = s.activate(10, 10)
+    step(s)
+    s.close()
+    s2 = host_store(tmp_path / "parent")
+    assert s2.recovery.cuts == [] and s2.state.next_bundle == b + 1
+    s2.close()
