@@ -29,6 +29,16 @@ def near_the_end(tmp_path: Path, left: int) -> KVStore:
     return s
 
 
+def committed(s: KVStore, tokens: int, out: int) -> int:
+    """A new sequence with ``tokens`` mapped and committed (one boundary between)."""
+    a = s.activate(tokens, out)
+    s.ensure_mapped_many("main", [a], [tokens])
+    with s.boundary():
+        pass
+    s.commit_many("main", [a], [tokens])
+    return a
+
+
 def test_the_last_id_runs_and_the_next_is_refused_unchanged(tmp_path: Path) -> None:
     s = near_the_end(tmp_path, 2)
     a, b = s.activate(100, 80), s.activate(100, 80)
@@ -55,11 +65,7 @@ def test_the_last_id_runs_and_the_next_is_refused_unchanged(tmp_path: Path) -> N
 def test_a_command_needing_two_ids_is_refused_whole_at_the_last_one(tmp_path: Path) -> None:
     """``fork_live`` past a whole page hands out a checkpoint id and a sequence id."""
     s = near_the_end(tmp_path, 2)
-    a = s.activate(100, 80)
-    s.ensure_mapped_many("main", [a], [100])
-    with s.boundary():
-        pass
-    s.commit_many("main", [a], [100])
+    a = committed(s, 100, 80)
     before = s.digest()
     with pytest.raises(IdsExhausted):
         s.fork_live(a, 8)
@@ -77,12 +83,7 @@ def test_eviction_releases_whole_when_no_id_is_left_for_a_trimmed_prefix(
     from ninfer_kv.cache.retention import LruRetention
 
     s = near_the_end(tmp_path, 2)
-    a = s.activate(640, 100)
-    s.ensure_mapped_many("main", [a], [640])
-    with s.boundary():
-        pass
-    s.commit_many("main", [a], [640])
-    ck = s.finish(a, retain=True)
+    ck = s.finish(committed(s, 640, 100), retain=True)
     with s.boundary():
         pass
     cache = LruRetention(block_tokens=64)
@@ -104,11 +105,7 @@ def test_no_id_past_the_last_is_admitted_from_a_journal_or_snapshot(tmp_path: Pa
     from ninfer_kv.journal import events as ev
 
     s = near_the_end(tmp_path, 1)
-    a = s.activate(100, 80)  # the last id, with a whole page committed: a source to share
-    s.ensure_mapped_many("main", [a], [100])
-    with s.boundary():
-        pass
-    s.commit_many("main", [a], [100])
+    a = committed(s, 100, 80)  # the last id, with a whole page committed: a source to share
     st, before = s.state, s.digest()
     row = st.pools["main"].free_rows.first()
     for e in (ev.Activate(MAX_BUNDLE + 1, "main", 1, row, 64, 10),
