@@ -19,6 +19,7 @@ import numpy as np
 
 from ninfer_kv.engine import invariant_kernels as ik
 from ninfer_kv.engine.address_space import NO_ROW
+from ninfer_kv.engine.bundle_table import BundleTable
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal import events as ev
@@ -46,7 +47,8 @@ class PoolMirror:
     are arrays, so ``check_pages`` runs compiled (``invariant_kernels.check_slots``)."""
 
     __slots__ = ("name", "n", "refs", "arefs", "owners", "dev", "lease", "lease_outside",
-                 "leased", "reserved", "rows", "spaces", "pend", "copy", "committed", "active")
+                 "leased", "reserved", "rows", "spaces", "pend", "copy", "ids", "index",
+                 "committed", "active", "unused")
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
@@ -63,32 +65,48 @@ class PoolMirror:
         self.spaces: dict[int, SpaceMirror] = {}
         self.pend: dict[int, int] = {}     # slot -> pending host transfers
         self.copy: dict[int, int] = {}     # slot -> queued device copies (Pin - Unpin)
-        # bundle -> the committed frontier last seen of its space (ik.ABSENT: no space);
-        # an array, so the commit check (the hot path) runs compiled
+        # Per space the mirror holds (``see_committed`` adds one, ``forget`` drops it): the
+        # committed frontier last seen and whether it is active, in arrays indexed by a mirror
+        # index, so the commit and page checks (the hot paths) run compiled. Bundle ids reach
+        # them through ``ids`` (a ``BundleTable``, for the kernels) and ``index`` (the same
+        # map, for Python): memory follows the spaces that exist, not the ids handed out.
+        self.ids = BundleTable()
+        self.index: dict[int, int] = {}
         self.committed = np.full(64, ik.ABSENT, np.int64)
-        self.active = np.zeros(64, np.int8)  # bundle -> 1 while the mirror has it active
+        self.active = np.zeros(64, np.int8)
+        self.unused: list[int] = list(range(63, -1, -1))  # free mirror indexes (a stack)
 
     def seen_committed(self, b: int) -> int:
-        return int(self.committed[b])
+        k = self.index.get(b)
+        return ik.ABSENT if k is None else int(self.committed[k])
 
     def see_committed(self, b: int, c: int) -> None:
-        if b >= len(self.committed):
-            k = len(self.committed)
-            size = max(b + 1, 2 * k)
-            self.committed = np.concatenate((self.committed, np.full(size - k, ik.ABSENT,
-                                                                      np.int64)))
-            self.active = np.concatenate((self.active, np.zeros(size - k, np.int8)))
-        self.committed[b] = c
+        """Space ``b``'s committed frontier is ``c`` (a new space: also not active)."""
+        k = self.index.get(b)
+        if k is None:
+            if not self.unused:
+                n = len(self.committed)
+                self.committed = np.concatenate((self.committed, np.full(n, ik.ABSENT,
+                                                                          np.int64)))
+                self.active = np.concatenate((self.active, np.zeros(n, np.int8)))
+                self.unused = list(range(2 * n - 1, n - 1, -1))
+            k = self.index[b] = self.unused.pop()
+            self.ids.insert(b, k)
+            self.active[k] = 0
+        self.committed[k] = c
 
     def see_active(self, b: int, active: bool) -> None:
         """After ``see_committed(b, ..)``: space ``b`` is active or not."""
-        self.active[b] = active
+        self.active[self.index[b]] = active
 
     def forget(self, b: int) -> None:
         """Space ``b`` is gone from the mirror."""
-        if b < len(self.committed):
-            self.committed[b] = ik.ABSENT
-            self.active[b] = 0
+        k = self.index.pop(b, None)
+        if k is not None:
+            self.ids.remove(b)
+            self.committed[k] = ik.ABSENT
+            self.active[k] = 0
+            self.unused.append(k)
 
     def extend(self, n: int) -> None:
         """Room for slots below ``n`` (new slots: no memberships, no lease)."""
@@ -175,7 +193,7 @@ def check_pages(pool: PoolState, pm: PoolMirror, slots: list[int], host: HostMir
         arr, pool.n_slots, pool.pg_live, pool.pg_device, pool.pg_refs, pool.pg_active,
         pool.pg_pins, pool.pg_protected, pool.pg_committed, pool.pg_writer, pool.pg_host_off,
         pool.free_slots.bits, pool.free_pages.bits, len(pm.lease), pm.n, pm.refs, pm.arefs,
-        pm.owners, pm.active, pm.dev, pm.lease, want)
+        pm.owners, pm.ids.array, pm.active, pm.dev, pm.lease, want)
     pm.leased += leased
     if len(rows):
         _word(pm, rows.tolist(), out)
@@ -243,7 +261,8 @@ def check_commit(pool: PoolState, pm: PoolMirror, e: ev.CommitFrontiers, out: li
     verified replay's hot path."""
     rows = ik.check_commit(e.bundles, pool.bundle_index, pool.sp_committed, pool.sp_nmem,
                            pool.sp_protected, pool.sp_members, pool.n_slots, pool.pg_live,
-                           pool.pg_committed, pool.pg_protected, pm.committed)
+                           pool.pg_committed, pool.pg_protected, pm.ids.array,
+                           pm.committed)
     for kind, x, a, b, c, d in rows.tolist():
         if kind == ik.C_NO_SPACE:
             out.append(f"commit names bundle {x} without a space in {e.pool}")

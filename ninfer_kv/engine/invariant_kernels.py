@@ -108,13 +108,15 @@ block the commit moved across; a negative slot (the caller raises as a page read
 def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarray,
                  sp_nmem: np.ndarray, sp_protected: np.ndarray, sp_members: np.ndarray,
                  n_slots: int, pg_live: np.ndarray, pg_committed: np.ndarray,
-                 pg_protected: np.ndarray, mirror: np.ndarray) -> np.ndarray:
+                 pg_protected: np.ndarray, mirror_index: np.ndarray, mirror: np.ndarray
+                 ) -> np.ndarray:
     """The incremental checker's CommitFrontiers (``incremental_index.check_commit``), after
     apply, on the event's packed seqs: per bundle, ``protected <= committed <= membership``,
-    then every block between the committed frontier the checker last saw (``mirror[b]``,
-    updated here) and the new one holds a live page with the columns the frontier needs and
-    columns in range. Returns problem rows (kind, bundle or slot, then the values the message
-    names), in order; a negative slot is the last row."""
+    then every block between the committed frontier the checker last saw (``mirror[k]``,
+    updated here; ``k`` is ``b``'s entry in the bundle table ``mirror_index``) and the new
+    one holds a live page with the columns the frontier needs and columns in range. Returns
+    problem rows (kind, bundle or slot, then the values the message names), in order; a
+    negative slot is the last row."""
     bundles = np.frombuffer(b_raw, np.int32)
     rows = np.empty((max(8, 2 * bundles.shape[0]), 6), np.int64)
     n = 0
@@ -125,13 +127,14 @@ def check_commit(b_raw: bytes, bundle_index: np.ndarray, sp_committed: np.ndarra
             rows = grown
         b = bundles[j]
         k = space_of(bundle_index, b)
-        oc = mirror[b] if 0 <= b < mirror.shape[0] else ABSENT
+        km = space_of(mirror_index, b)
+        oc = mirror[km] if 0 <= km < mirror.shape[0] else ABSENT
         if k < 0 or oc == ABSENT:
             rows[n, 0], rows[n, 1] = C_NO_SPACE, b
             n += 1
             continue
         c, m = sp_committed[k], sp_nmem[k]
-        mirror[b] = c
+        mirror[km] = c
         if not sp_protected[k] <= c <= m * P:
             rows[n, 0], rows[n, 1], rows[n, 2], rows[n, 3], rows[n, 4] = \
                 C_ORDER, b, sp_protected[k], c, m * P
@@ -212,6 +215,13 @@ def check_blocks(members: np.ndarray, nmem: int, c: int, lo: int, hi: int, k: in
     return rows[:n]
 
 
+@njit(nogil=True)
+def _active(space_index: np.ndarray, space_active: np.ndarray, b: int) -> bool:
+    """Whether the mirror holds ``b`` as an active space (an id it does not hold: no)."""
+    k = space_of(space_index, b)
+    return 0 <= k < space_active.shape[0] and space_active[k] != 0
+
+
 # check_slots' rows: (kind, a, b, c); incremental_index.check_pages words them in order
 (K_RELEASED_NOT_FREE, K_OUT_OF_RANGE, K_DOUBLE_LEASE, K_LEASE_OUTSIDE, K_ON_FREE_LIST,
  K_FREE_SLOT_LIVE, K_DEAD_REFS, K_REFS, K_ACTIVE_REFS, K_COLUMNS, K_WRITER, K_SHARED_WRITER,
@@ -225,7 +235,7 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
                 pg_protected: np.ndarray, pg_committed: np.ndarray, pg_writer: np.ndarray,
                 pg_host_off: np.ndarray, free_slot_bits: np.ndarray, free_page_bits: np.ndarray,
                 capacity: int, n_mirror: int, refs: np.ndarray, arefs: np.ndarray,
-                owners: np.ndarray,
+                owners: np.ndarray, space_index: np.ndarray,
                 space_active: np.ndarray, dev: np.ndarray, lease: np.ndarray,
                 want: np.ndarray) -> tuple[np.ndarray, int]:
     """The incremental checker's page checks on ``slots`` (each >= 0), in slot order, after
@@ -233,7 +243,8 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
     page seen) and ``lease`` (device page in [0, capacity) -> slot, -1 none). ``refs`` /
     ``arefs``: the memberships / active memberships it counted per slot; ``owners``: per slot
     the XOR of the seqs whose memberships hold it (with one membership: that seq);
-    ``space_active``: per seq, 1 when it has an active space; ``want``: per element of
+    ``space_active``: 1 when a seq has an active space, at its entry in the bundle table
+    ``space_index``; ``want``: per element of
     ``slots``, the pins its pending transfers and queued copies explain.
 
     Returns (rows, change of the number of leased pages in range). A row names one problem,
@@ -313,8 +324,7 @@ def check_slots(slots: np.ndarray, n_slots: int, pg_live: np.ndarray, pg_device:
             if r > 1:  # which membership is the writer's: the caller's mirror knows
                 rows[n, 0], rows[n, 1], rows[n, 2] = K_WRITER, s, w
                 n += 1
-            elif not (r == 1 and owners[s] == w and 0 <= w < space_active.shape[0]
-                      and space_active[w]):
+            elif not (r == 1 and owners[s] == w and _active(space_index, space_active, w)):
                 rows[n, 0], rows[n, 1], rows[n, 2] = K_WRITER_NOT_MEMBER, s, w
                 n += 1
             if pr > 1:

@@ -143,7 +143,7 @@ def test_check_commit_matches_oracle(n: int, rnd) -> None:
     want_mirror = mirror.copy()
     for _ in range(2):
         got = ik.check_commit(np.array(bundles, np.int32).tobytes(), from_dense(bundle_index),
-                              *args[1:], mirror)
+                              *args[1:], from_dense(np.arange(len(mirror))), mirror)
         want = oracle_commit(bundles, *args, want_mirror)
         assert [tuple(r[:len(w)]) for r, w in zip(got.tolist(), want, strict=True)] == want
         assert mirror.tolist() == want_mirror.tolist()
@@ -160,7 +160,8 @@ def test_check_commit_stops_at_a_negative_member() -> None:
     rows = ik.check_commit(np.array([0], np.int32).tobytes(), from_dense(np.array([0])),
                            np.array([3 * P], np.int64), np.array([4], np.int64),
                            np.array([0], np.int64), members, 3, live,
-                           np.full(3, P, np.int64), np.zeros(3, np.int64), mirror)
+                           np.full(3, P, np.int64), np.zeros(3, np.int64),
+                           from_dense(np.array([0])), mirror)
     assert rows.tolist()[-1][:2] == [ik.C_NEGATIVE, -1]
     assert [r[0] for r in rows.tolist()] == [ik.C_NEGATIVE]  # block 0 is fine, block 1 stops
 
