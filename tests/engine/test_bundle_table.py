@@ -152,3 +152,17 @@ def test_check_names_each_broken_invariant() -> None:
         bt._place(t.array, b, b)
     t.live = 3
     assert any("past half full" in v for v in t.check())
+
+
+def test_an_id_listed_twice_is_reported() -> None:
+    """The second entry of an id is never reached by probing (the first stops it), even when
+    both name the same space index."""
+    t = bt.BundleTable()
+    t.insert(5, 3)
+    h = bt.home(5, bt.MIN_CAPACITY - 1)
+    twin = (h + 1) % bt.MIN_CAPACITY
+    t.array[twin] = (5, 3)
+    t.live = 2
+    assert [v for v in t.check() if "bundle 5" in v] == [
+        f"bundle 5 at entry {twin} is not found by probing from its home {h} (or is listed "
+        "twice)"]
