@@ -2,7 +2,9 @@
 
 Per round: ensure_mapped_many -> boundary (journal record + table-slice writes) -> commit_many.
 Prints ns per request-step for the batched path with the journal off and on (sync off), their
-ratio, and a per-sequence (unbatched) loop for comparison. Measures; asserts nothing.
+ratio, the same with page crossings staggered over the rounds (as in serving: a small
+Materialize in every round instead of one for all sequences every 64th), and a per-sequence
+(unbatched) loop for comparison. Measures; asserts nothing.
 
     python benchmarks/decode_round_bench.py [--seqs 256] [--rounds 4096] [--sweep]
 """
@@ -23,27 +25,37 @@ from ninfer_kv.journal.log import SyncPolicy
 PROMPT = 100
 
 
+def starts(seqs: int, stagger: bool) -> np.ndarray:
+    """Each sequence's prompt: all ``PROMPT`` (every sequence crosses a page boundary in the
+    same round, one round in 64), or staggered over a page (``PROMPT + j % 64``: about C/64
+    sequences cross in every round, as in serving, where requests arrive at any length)."""
+    return PROMPT + (np.arange(seqs) % 64 if stagger else np.zeros(seqs, np.int64))
+
+
 def open_store(seqs: int, rounds: int, journal_dir: str | None, max_context: int = 0,
-               sync: SyncPolicy = SyncPolicy.OFF) -> tuple[KVStore, np.ndarray]:
-    ctx = PROMPT + rounds
+               sync: SyncPolicy = SyncPolicy.OFF, stagger: bool = False
+               ) -> tuple[KVStore, np.ndarray]:
+    ctx = PROMPT + (64 if stagger else 0) + rounds
     serving = ServingConfig(max_context=max(ctx, max_context), max_concurrency=seqs)
     pages = seqs * -(-ctx // 64)
     cfg = StoreConfig(model=ModelGeometry(layers=1, kv_heads=1, head_dim=64),
                       serving=serving, kv_tokens=pages * 64, journal_dir=journal_dir,
                       sync=sync, allocate_planes=False)
     store = KVStore.open(cfg)
-    ids = np.array([store.activate(PROMPT, rounds) for _ in range(seqs)])
-    store.ensure_mapped_many("main", ids, [PROMPT] * seqs)
+    first = starts(seqs, stagger)
+    ids = np.array([store.activate(int(f), rounds) for f in first])
+    store.ensure_mapped_many("main", ids, first)
     with store.boundary():
         pass
-    store.commit_many("main", ids, [PROMPT] * seqs)
+    store.commit_many("main", ids, first)
     return store, ids
 
 
-def run_batched(store: KVStore, ids: np.ndarray, rounds: int, lead: int = 0) -> float:
+def run_batched(store: KVStore, ids: np.ndarray, rounds: int, lead: int = 0,
+                stagger: bool = False) -> float:
     """``rounds`` decode rounds; ``lead`` > 0: MTP-style, each round also maps and sets a
     provisional frontier ``lead`` tokens past the next one (§8.2)."""
-    frontier = np.full(len(ids), PROMPT)
+    frontier = starts(len(ids), stagger)
     t0 = time.perf_counter()
     for _ in range(rounds):
         store.ensure_mapped_many("main", ids, frontier + 1 + lead)
@@ -123,6 +135,13 @@ def main() -> None:
         jbytes = store.journal.bytes_written if store.journal else 0
         store.check_invariants()
         store.close()
+    t_stag = {}
+    for journaled in (False, True):
+        with tempfile.TemporaryDirectory() as d:
+            store, ids = open_store(a.seqs, a.rounds, d if journaled else None, stagger=True)
+            t_stag[journaled] = run_batched(store, ids, a.rounds, stagger=True)
+            store.check_invariants()
+            store.close()
     with tempfile.TemporaryDirectory() as d:
         store, ids = open_store(a.seqs, a.rounds, d)
         t_mtp = run_batched(store, ids, a.rounds - 2, lead=1)
@@ -147,6 +166,8 @@ def main() -> None:
     print(f"batched, journal off        : {t_off / steps * 1e9:8.0f} ns/request-step")
     print(f"batched, journal on (sync=off): {t_on / steps * 1e9:8.0f} ns/request-step  "
           f"(ratio on/off {t_on / t_off:.2f}; {jbytes / steps:.1f} journal bytes/step)")
+    print(f"staggered crossings (~C/64 a round), journal off / on: "
+          f"{t_stag[False] / steps * 1e9:8.0f} / {t_stag[True] / steps * 1e9:.0f} ns/request-step")
     mtp = t_mtp / (a.seqs * (a.rounds - 2))
     print(f"batched + provisional lead (MTP), journal on: {mtp * 1e9:8.0f} ns/request-step  "
           f"(ratio to the plain round {mtp / (t_on / steps):.2f})")
