@@ -180,6 +180,16 @@ def page_descriptor(st: StoreState, pool: str, slot: int) -> dict[str, Any] | No
             "members_of": [b for b, sp in p.spaces.items() if slot in sp.members]}
 
 
+MAX_ROWS = 200    # address spaces ``inspect`` prints (``--json`` prints all)
+MAX_FIELD = 100   # characters of one history row's fields
+
+
+def clip(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters, marked with an ellipsis when cut: a table never
+    shows part of a value as if it were all of it."""
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
 def run_inspect(a: argparse.Namespace, console: Console) -> int:
     page = None
     if a.page:
@@ -218,11 +228,13 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         console.print(f"host arena: {h['live_bytes']:,} B live in {h['extents']} extents, "
                       f"{h['free_bytes']:,} B free of {h['capacity']:,} B, "
                       f"{h['pending_transfers']} transfers in flight")
-    t = Table(title="address spaces")
+    spaces = out["address_spaces"]
+    t = Table(title="address spaces", caption=None if len(spaces) <= MAX_ROWS else
+              f"the first {MAX_ROWS} of {len(spaces)} shown (--seq N picks one; --json: all)")
     for col in ("seq", "pool", "state", "committed", "provisional", "protected", "entitlement",
                 "pages", "row"):
         t.add_column(col)
-    for s in out["address_spaces"][:200]:
+    for s in spaces[:MAX_ROWS]:
         t.add_row(str(s["seq"]), s["pool"], "active" if s["active"] else "checkpoint",
                   str(s["committed"]), str(s["provisional"]), str(s["protected"]),
                   str(s["entitlement"]), str(s["pages"]), str(s["row"]))
@@ -235,7 +247,7 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
         t.add_column("fields")
         for h in history:
             fields = {k: v for k, v in h.items() if k not in ("record", "event_index", "type")}
-            t.add_row(str(h["record"]), h["type"], str(fields)[:100])
+            t.add_row(str(h["record"]), h["type"], clip(str(fields), MAX_FIELD))
         console.print(t)
     return 0
 

@@ -283,3 +283,21 @@ def test_replay_of_an_open_reader_keeps_its_salvage_setting(run: dict) -> None:
     with pytest.raises(JournalError, match="salvage"):
         replay(reader, salvage=True)
     assert replay(reader).digest == replay(run["journal"]).digest == run["live"]
+
+
+def test_inspect_marks_what_it_leaves_out(run: dict, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clipped history field ends in an ellipsis, and an address-space table cut short
+    says how many rows it left out (both used to be cut silently)."""
+    from ninfer_kv.tools import journal_cmds
+    assert journal_cmds.clip("abcdef", 6) == "abcdef" and journal_cmds.clip("abcdefg", 6) == "abcde…"
+    spaces = cli_json(capsys, "inspect", run["journal"])["address_spaces"]
+    monkeypatch.setattr(journal_cmds, "MAX_ROWS", len(spaces) - 1)
+    monkeypatch.setattr(journal_cmds, "MAX_FIELD", 20)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", run["journal"], "--page", "main:0", "--at", "30"]) == 0
+    text = capsys.readouterr().out
+    assert "…" in text  # a Materialize's fields are longer than 20 characters
+    assert main(["inspect", run["journal"]]) == 0
+    text = capsys.readouterr().out
+    assert f"the first {len(spaces) - 1} of {len(spaces)} shown" in text
