@@ -140,13 +140,17 @@ def test_check_commit_matches_oracle(n: int, rnd) -> None:
     bundles = [rnd.randint(-1, 12) for _ in range(rnd.randint(1, 6))]
     args = (bundle_index, committed, nmem, protected, members, n_slots, live, pg_committed,
             pg_protected)
-    want_mirror = mirror.copy()
+    want_mirror = mirror.copy()  # the oracle's, indexed by bundle
+    # the checker's mirror holds bundle b at entry at[b] (not b: ids and entries differ)
+    at = np.array(rnd.sample(range(16), len(mirror)), np.int64)
+    entries = np.full(16, ik.ABSENT, np.int64)
+    entries[at] = mirror
     for _ in range(2):
         got = ik.check_commit(np.array(bundles, np.int32).tobytes(), from_dense(bundle_index),
-                              *args[1:], from_dense(np.arange(len(mirror))), mirror)
+                              *args[1:], from_dense(at), entries)
         want = oracle_commit(bundles, *args, want_mirror)
         assert [tuple(r[:len(w)]) for r, w in zip(got.tolist(), want, strict=True)] == want
-        assert mirror.tolist() == want_mirror.tolist()
+        assert entries[at].tolist() == want_mirror.tolist()
 
 
 def test_check_commit_stops_at_a_negative_member() -> None:
@@ -215,3 +219,17 @@ def test_check_blocks_matches_the_list_loop(data: st.DataObject) -> None:
         assert rows and rows[-1][0] == ik.B_INDEX, rows
     else:
         assert rows == want
+
+
+def test_the_writer_check_reads_the_mirror_by_id_not_by_entry() -> None:
+    """``check_slots``' writer rule asks whether the writer is an active space of the mirror:
+    through its bundle table (ids 1000 and 2000 at entries 3 and 5), never by id or entry
+    number directly."""
+    table = from_dense(np.array([-1] * 1000 + [3] + [-1] * 999 + [5]))
+    active = np.zeros(8, np.int8)
+    active[3] = 1
+    assert ik._active(table, active, 1000)
+    assert not ik._active(table, active, 2000)            # held, not active
+    assert not ik._active(table, active, 3)               # an entry number is no id
+    assert not ik._active(table, active, -1)
+    assert not ik._active(table, np.zeros(2, np.int8), 1000)  # an entry past the array
