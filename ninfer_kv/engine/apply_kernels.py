@@ -42,6 +42,7 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
     earlier element left."""
     n = bundles.shape[0]
     old = np.empty(n, np.int64)     # each element's committed frontier before it
+    idx = np.empty(n, np.int64)     # and its space index (one table lookup per element)
     for j in range(n):
         b = bundles[j]
         i = space_of(bundle_index, b)
@@ -59,12 +60,13 @@ def apply_commit(bundles: np.ndarray, frontiers: np.ndarray, bundle_index: np.nd
                         break
         if bad:
             for k in range(j - 1, -1, -1):  # undo the frontiers this pass moved
-                sp_committed[space_of(bundle_index, bundles[k])] = old[k]
+                sp_committed[idx[k]] = old[k]
             return j
         old[j] = sp_committed[i]
+        idx[j] = i
         sp_committed[i] = frontiers[j]
     for j in range(n):
-        i = space_of(bundle_index, bundles[j])
+        i = idx[j]
         f = frontiers[j]
         for blk in range(old[j] // P, (f + P - 1) // P):
             cols = f - blk * P
