@@ -40,7 +40,12 @@ def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = Non
 
 
 def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
-    """A batch of integers as a list of plain ints (numpy integer arrays are accepted whole)."""
+    """A batch of integers as a list of plain ints (numpy integer arrays are accepted whole;
+    an object array's elements each go through ``operator.index``, as a list's do; an empty
+    1-D array is an empty batch whatever its dtype: ``np.array([])`` is float64)."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and (
+            values.dtype == object or values.size == 0):
+        values = values.tolist()
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
             raise InvalidArgument(f"{name}: want a 1-D integer array, got dtype {values.dtype} "

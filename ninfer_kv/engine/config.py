@@ -101,7 +101,7 @@ class StoreConfig:
                 put(name, path)
         try:
             dev = torch.device(self.device)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError, OverflowError):  # torch's parse errors
             raise ConfigError(f"device={self.device!r} is not a torch device") from None
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: the store runs on cpu or cuda only")
@@ -137,6 +137,8 @@ def _int(name: str, v: object, lo: int) -> int:
         raise ConfigError(f"{name}={v!r} ({type(v).__name__}) is not an integer") from None
     if n < lo:
         raise ConfigError(f"{name}={n} must be >= {lo}")
+    if n >= 1 << 63:  # sizes and counts reach torch, mmap and the journal as int64
+        raise ConfigError(f"{name}={n} does not fit in 64 bits (must be < 2**63)")
     return n
 
 

@@ -69,6 +69,11 @@ def test_bad_calls_are_typed_and_change_nothing(store: KVStore) -> None:
     (lambda: ModelGeometry(layers=2.5), ConfigError, "layers=2.5"),
     (lambda: ServingConfig(backend="eagle"), ConfigError, "backend 'eagle'"),
     (lambda: StoreConfig(host_bytes=-1), ConfigError, "host_bytes=-1 must be >= 0"),
+    # past int64 (were TypeError / OverflowError / ValueError from torch and mmap)
+    (lambda: StoreConfig(host_bytes=2**63), ConfigError, "host_bytes=9223372036854775808 does "
+                                                         "not fit in 64 bits"),
+    (lambda: StoreConfig(headroom=2**64), ConfigError, "headroom=18446744073709551616"),
+    (lambda: StoreConfig(device=2**63), ConfigError, "device=9223372036854775808 is not a torch"),
     (lambda: StoreConfig(device="tpu9"), ConfigError, "tpu9"),
     (lambda: StoreConfig(device="xla"), ConfigError, "cpu or cuda"),
     (lambda: StoreConfig(kv_tokens="lots"), ConfigError, "kv_tokens='lots'"),

@@ -143,6 +143,16 @@ def test_numpy_integers_are_accepted_and_journaled_as_ints(tmp_path: Path) -> No
     step(s)
     s.commit_many("main", np.array([a]), np.array([100], dtype=np.int16))
     step(s)  # old code: every boundary from here on failed (msgspec cannot encode np.int64)
+    # an object array holding numpy ints is taken as a list of them is; an empty batch is
+    # empty whatever its dtype (np.array([]) is float64); object arrays of bools or floats
+    # are refused element by element, by name
+    s.ensure_mapped_many("main", np.array([np.int64(a)], dtype=object), [np.int64(101)])
+    s.commit_many("main", [], np.array([]))
+    d = s.digest()
+    for bad in (np.array([True], dtype=object), np.array([1.5], dtype=object)):
+        with pytest.raises(InvalidArgument, match=r"seqs\[0\]="):
+            s.ensure_mapped_many("main", bad, [101])
+        assert s.digest() == d
     s.close()
     live = s.digest()
     assert replay(str(tmp_path / "journal")).digest == live
