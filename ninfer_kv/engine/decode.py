@@ -167,6 +167,9 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
             f"{old}, membership={limit}] (use truncate to move back)")
     if code != rk.OK:
         raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
+    unpublished = tx._touched.get(p.name)
+    if unpublished:  # never in a decode round: its boundary published everything mapped
+        refuse_unpublished(p, b, f, unpublished)
     watch = tx.config.checked and tx.config.allocate_planes
     if watch:
         checked.check_commit(tx, p.name, b.tolist(), f.tolist())
@@ -174,6 +177,28 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     tx._emit(ev.CommitFrontiers(p.name, raw[:w], raw[w:]))
     if watch:  # after the event: a commit interrupted before it still finds the writes
         checked.forget_committed(tx, p.name, b.tolist(), f.tolist())
+
+
+def refuse_unpublished(p: PoolState, b: np.ndarray, f: np.ndarray,
+                       unpublished: dict[int, int]) -> None:
+    """§8.1: a commit follows the GPU unit that wrote its columns, and a unit writes only
+    through a published table. ``unpublished`` maps a sequence to the first block of its row
+    that changed since the last boundary (a page mapped, a row leased, a Fork): no unit can
+    have written there yet. Committing such columns would publish whatever the page group
+    held before — another request's KV, once it is recycled — as this sequence's (checked
+    stores see it by write tracking; this holds whatever ``checked`` is)."""
+    for j, bundle in enumerate(b.tolist()):
+        blk = unpublished.get(bundle)
+        if blk is None:
+            continue
+        new = int(f[j])
+        old = p.spaces[bundle].committed
+        if new > old and new > blk * P:
+            raise WritePermissionError(
+                f"seq {bundle} pool {p.name}: commit to {new} writes block {(new - 1) // P}, "
+                f"but its table row changed from block {blk} on since the last boundary "
+                "(pages mapped, a row leased, a Fork): no GPU unit can have written there "
+                "yet (§8.1: close the boundary, run the unit, then commit)")
 
 
 def set_provisional_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,

@@ -53,6 +53,8 @@ def _store(host: bool) -> KVStore:
 def _retained(store: KVStore, tokens: int) -> int:
     s = store.activate(tokens, 1)
     store.ensure_mapped(s, "main", tokens)
+    with store.boundary():  # the unit that writes the prompt
+        pass
     store.commit(s, "main", tokens)
     ck = store.finish(s, retain=True)
     with store.boundary():
@@ -67,6 +69,8 @@ def test_make_room_demotes_before_it_releases_and_keeps_parents() -> None:
     pol.retain(a, (1, 2))
     child = store.activate_from(a, 64, 100, 1)            # continues a: a is a parent
     store.ensure_mapped(child, "main", 100)
+    with store.boundary():
+        pass
     store.commit(child, "main", 100)
     b = store.finish(child, retain=True)
     pol.retain(b, (1, 3), parent=store.checkpoint_info(b).parent)
@@ -181,6 +185,8 @@ def test_make_room_releases_pages_only_checkpoints_co_hold() -> None:
     pol = LruRetention()
     owner = store.activate(100, 1)
     store.ensure_mapped(owner, "main", 100)
+    with store.boundary():
+        pass
     store.commit(owner, "main", 100)
     a, b = store.share_prefix(owner, 64), store.share_prefix(owner, 64)
     store.finish(owner)
@@ -262,6 +268,8 @@ def _shared_with_an_engine_prefix() -> tuple[KVStore, LruRetention, int, int]:
     pol = LruRetention()
     owner = store.activate(640, 10)
     store.ensure_mapped(owner, "main", 640)
+    with store.boundary():
+        pass
     store.commit(owner, "main", 640)
     kept = store.share_prefix(owner, 640)
     ck = store.finish(owner, retain=True)

@@ -366,6 +366,8 @@ def test_export_waits_for_queued_copies_and_a_leader_store_imports_nothing() -> 
     store = KVStore.open(w.config())
     s = store.activate(100, 1)
     store.ensure_mapped(s, "main", 100)
+    with store.boundary():
+        pass
     store.commit(s, "main", 100)
     ck = store.finish(s, retain=True)
     with store.boundary():

@@ -136,6 +136,9 @@ def test_random_host_runs_with_crash_clean_under_both_checkers(tmp_path: Path, s
     a = s.activate(300, 10)
     for pool in s.pools:
         s.ensure_mapped(a, pool, 300)
+    s.close_boundary()
+    s.unit_complete()
+    for pool in s.pools:
         s.commit(a, pool, 300)
     assert s.offload(s.finish(a, retain=True)) > 0  # unpublished at the crash: HostAbort
     s._append_pending()
@@ -204,6 +207,8 @@ def test_a_continuation_never_over_reserves_between_its_events(tmp_path: Path) -
     s = KVStore.open(small_config(tmp_path, pages=64, concurrency=4, context=2048))
     a = s.activate(1500, 10)
     s.ensure_mapped(a, "main", 1500)
+    with s.boundary():
+        pass
     s.commit(a, "main", 1500)
     ck = s.finish(a, retain=True)
     s.activate(2000, 10)  # leaves fewer free pages than the continuation entitles

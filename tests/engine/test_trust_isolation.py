@@ -293,3 +293,37 @@ def test_default_kv_tokens_clamps_to_the_configured_range() -> None:
     s.close()
     with pytest.raises(KVStoreError):
         StoreConfig(sync="sometimes")
+
+
+def test_a_commit_never_reaches_columns_no_unit_could_have_written(tmp_path: Path) -> None:
+    """§8.1: a commit follows the unit that wrote its columns, and a unit writes through a
+    published table. Committing into a page mapped since the last boundary (or a row leased,
+    or a Fork's new tail, since then) would publish whatever that page group held before —
+    another request's KV once it is recycled — as this sequence's. Refused whatever
+    ``checked`` is (``checked`` stores also track writes); nothing changes, the store stays
+    usable, and the same commit passes once a boundary published the table."""
+    s = KVStore.open(small_config(tmp_path))
+    ck = checkpoint_at(s, 100)                       # a checkpoint with a mid-page frontier
+    a = s.activate(100, 50)
+    s.ensure_mapped(a, "main", 100)
+    fork = s.activate_from(ck, 70, 100, 50)          # a Fork with a COW tail (block 1)
+    s.ensure_mapped(fork, "main", 100)
+    d = s.digest()
+    for seq, to, blk in ((a, 1, 0), (a, 100, 1), (fork, 71, 1), (fork, 100, 1)):
+        with pytest.raises(WritePermissionError, match=f"commit to {to} writes block {blk}"):
+            s.commit(seq, "main", to)
+        assert s.digest() == d and not s.failed
+    s.commit(fork, "main", 70)                       # to its frontier: writes nothing
+    step(s)
+    s.commit(a, "main", 100)
+    s.commit(fork, "main", 100)
+    s.truncate(a, "main", 70)                        # unmaps nothing still published
+    s.commit(a, "main", 100)                         # block 1 was published: allowed
+    s.ensure_mapped(a, "main", 130)                  # a new page (block 2), unpublished
+    with pytest.raises(WritePermissionError, match="commit to 130 writes block 2"):
+        s.commit_many("main", [fork, a], [100, 130])
+    s.commit(a, "main", 128)                         # blocks 0-1 only
+    step(s)
+    s.commit(a, "main", 130)
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == s.digest()
