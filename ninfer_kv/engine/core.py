@@ -70,6 +70,10 @@ class StoreCore:
         # reused within one record must be read by an earlier copy before it is overwritten)
         self._effects: list[ev.CopyTail | ev.DeviceRestore] = []
         self._touched: dict[str, dict[int, int]] = {}  # pool -> bundle -> first block to publish
+        # the same, since the last unit (a boundary's freeze .. unit_complete; a snapshot
+        # publishes tables too but runs no unit): blocks no unit has written yet
+        # (decode.refuse_unwritten)
+        self._unwritten: dict[str, dict[int, int]] = {}
         self._freed_rows: dict[str, set[int]] = {}  # pool -> rows left by a finish: unmap
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
@@ -204,6 +208,7 @@ class StoreCore:
         self._pending.clear()
         self._effects.clear()
         self._touched.clear()
+        self._unwritten.clear()
         self._freed_rows.clear()
         self._transfers.clear()
         self._unpin_drops.clear()
@@ -222,12 +227,13 @@ class StoreCore:
             self._pending.append(e)
 
     def _touch(self, pool: str, bundle: int, block: int) -> None:
-        d = self._touched.get(pool)
-        if d is None:
-            d = self._touched[pool] = {}
-        cur = d.get(bundle)
-        if cur is None or block < cur:
-            d[bundle] = block
+        for touched in (self._touched, self._unwritten):
+            d = touched.get(pool)
+            if d is None:
+                d = touched[pool] = {}
+            cur = d.get(bundle)
+            if cur is None or block < cur:
+                d[bundle] = block
 
     def _free_row(self, pool: str, row: int) -> None:
         """Row ``row`` of ``pool`` is left by a sequence leaving execution: the boundary unmaps
@@ -242,14 +248,15 @@ class StoreCore:
 
     def _touch_many(self, pool: str, bundles: list[int], blocks: list[int]) -> None:
         """``_touch`` of each (bundle, block) pair; ``bundles`` are distinct (a batch)."""
-        d = self._touched.get(pool)
-        if not d:  # the decode round's case: nothing else touched in this interval
-            self._touched[pool] = dict(zip(bundles, blocks, strict=True))
-            return
-        for bundle, block in zip(bundles, blocks, strict=True):
-            cur = d.get(bundle)
-            if cur is None or block < cur:
-                d[bundle] = block
+        for touched in (self._touched, self._unwritten):
+            d = touched.get(pool)
+            if not d:  # the decode round's case: nothing else touched in this interval
+                touched[pool] = dict(zip(bundles, blocks, strict=True))
+                continue
+            for bundle, block in zip(bundles, blocks, strict=True):
+                cur = d.get(bundle)
+                if cur is None or block < cur:
+                    d[bundle] = block
 
     def _append_pending(self) -> int:
         seq = self.state.seq
@@ -355,6 +362,8 @@ class StoreCore:
             raise
 
     def unit_complete(self) -> None:
+        if self._frozen:  # a unit ran on the tables the boundary published: it may have
+            self._unwritten = {}  # written every block they map
         self._frozen = False
 
     def boundary(self) -> _Boundary:

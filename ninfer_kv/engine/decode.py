@@ -167,9 +167,9 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
             f"{old}, membership={limit}] (use truncate to move back)")
     if code != rk.OK:
         raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
-    unpublished = tx._touched.get(p.name)
-    if unpublished:  # never in a decode round: its boundary published everything mapped
-        refuse_unpublished(p, b, f, unpublished)
+    unwritten = tx._unwritten.get(p.name)
+    if unwritten:  # never in a decode round: its boundary published everything mapped
+        refuse_unwritten(p, b, f, unwritten)
     watch = tx.config.checked and tx.config.allocate_planes
     if watch:
         checked.check_commit(tx, p.name, b.tolist(), f.tolist())
@@ -179,21 +179,23 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
         checked.forget_committed(tx, p.name, b.tolist(), f.tolist())
 
 
-def refuse_unpublished(p: PoolState, b: np.ndarray, f: np.ndarray,
-                       unpublished: dict[int, int]) -> None:
+def refuse_unwritten(p: PoolState, b: np.ndarray, f: np.ndarray,
+                     unwritten: dict[int, int]) -> None:
     """§8.1: a commit follows the GPU unit that wrote its columns, and a unit writes only
-    through a published table. ``unpublished`` maps a sequence to the first block of its row
-    that changed since the last boundary (a page mapped, a row leased, a Fork): no unit can
-    have written there yet. Committing such columns would publish whatever the page group
-    held before — another request's KV, once it is recycled — as this sequence's (checked
-    stores see it by write tracking; this holds whatever ``checked`` is)."""
-    for j, bundle in enumerate(b.tolist()):
-        blk = unpublished.get(bundle)
-        if blk is None:
-            continue
-        new = int(f[j])
-        old = p.spaces[bundle].committed
-        if new > old and new > blk * P:
+    through a table published at a boundary. ``unwritten`` maps a sequence to the first block
+    of its row that changed since the last ``close_boundary`` (a page mapped, a row leased, a
+    Fork): no unit can have written there yet. Committing such columns would publish whatever
+    the page group held before — another request's KV, once it is recycled — as this
+    sequence's (checked stores see it by write tracking; this holds whatever ``checked`` is).
+    Visits the batch elements ``unwritten`` names, not the whole batch."""
+    if len(unwritten) <= 8:  # an engine admitting a few requests between unit and commit
+        hits = [(int(j), blk) for bundle, blk in unwritten.items()
+                for j in np.flatnonzero(b == bundle)]
+    else:
+        hits = [(j, unwritten[x]) for j, x in enumerate(b.tolist()) if x in unwritten]
+    for j, blk in sorted(hits):
+        bundle, new = int(b[j]), int(f[j])
+        if new > p.spaces[bundle].committed and new > blk * P:
             raise WritePermissionError(
                 f"seq {bundle} pool {p.name}: commit to {new} writes block {(new - 1) // P}, "
                 f"but its table row changed from block {blk} on since the last boundary "

@@ -39,6 +39,7 @@ class Txn(Protocol):
     _transfers: list[Any]      # host.Transfer, run after the table writes
     _unpin_drops: set[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it
     _touched: dict[str, dict[int, int]]  # pool -> seq -> first block to publish
+    _unwritten: dict[str, dict[int, int]]  # the same since the last unit ran
     _freed_rows: dict[str, set[int]]     # pool -> rows a finish left: unmapped at the boundary
     _written: dict[tuple[str, int, int], set[int]]  # checked mode: (pool, seq, layer) -> tokens
     _frozen: bool                         # a GPU unit is in flight (§8.4)

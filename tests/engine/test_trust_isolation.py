@@ -327,3 +327,30 @@ def test_a_commit_never_reaches_columns_no_unit_could_have_written(tmp_path: Pat
     s.commit(a, "main", 130)
     s.close()
     assert replay(str(tmp_path / "journal")).digest == s.digest()
+
+
+def test_only_a_unit_makes_mapped_columns_committable(tmp_path: Path) -> None:
+    """Review finding: ``snapshot()`` publishes the tables too (its record), and it used to
+    clear what the rule reads: a commit right after it into a page no unit had written was
+    accepted. Only a unit (a boundary's freeze, then ``unit_complete``) lifts the rule; a
+    second ``unit_complete`` without a boundary lifts nothing."""
+    s = KVStore.open(small_config(tmp_path, concurrency=16))
+    a = s.activate(100, 10)
+    s.ensure_mapped(a, "main", 100)
+    s.snapshot()
+    s.unit_complete()                                   # no unit ran: lifts nothing
+    with pytest.raises(WritePermissionError, match="commit to 100 writes block 1"):
+        s.commit(a, "main", 100)
+    s.close_boundary()
+    s.unit_complete()
+    s.commit(a, "main", 100)
+    others = [s.activate(64, 10) for _ in range(12)]    # admitted between unit and commit
+    for b in others:
+        s.ensure_mapped(b, "main", 64)
+    s.ensure_mapped(a, "main", 101)
+    with pytest.raises(WritePermissionError, match=f"seq {others[3]} pool main: commit to 1 "):
+        s.commit_many("main", [a, others[3]], [100, 1])  # more than 8 changed: the dict path
+    s.commit_many("main", [a], [100])
+    step(s)
+    s.commit_many("main", [a, *others], [101] + [64] * len(others))
+    s.close()
