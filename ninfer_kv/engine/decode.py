@@ -168,7 +168,7 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     if code != rk.OK:
         raise WritePermissionError(why_not_writable(p, int(b[j]), blk))
     unwritten = tx._unwritten.get(p.name)
-    if unwritten:  # never in a decode round: its boundary published everything mapped
+    if unwritten:  # empty in a decode round: a unit ran since its pages were mapped
         refuse_unwritten(p, b, f, unwritten)
     watch = tx.config.checked and tx.config.allocate_planes
     if watch:
@@ -183,11 +183,12 @@ def refuse_unwritten(p: PoolState, b: np.ndarray, f: np.ndarray,
                      unwritten: dict[int, int]) -> None:
     """§8.1: a commit follows the GPU unit that wrote its columns, and a unit writes only
     through a table published at a boundary. ``unwritten`` maps a sequence to the first block
-    of its row that changed since the last ``close_boundary`` (a page mapped, a row leased, a
-    Fork): no unit can have written there yet. Committing such columns would publish whatever
-    the page group held before — another request's KV, once it is recycled — as this
-    sequence's (checked stores see it by write tracking; this holds whatever ``checked`` is).
-    Visits the batch elements ``unwritten`` names, not the whole batch."""
+    of its row that changed since the last unit ran (a boundary froze the store, then
+    ``unit_complete``; a page mapped, a row leased, a Fork): no unit can have written there.
+    Committing such columns would publish whatever the page group held before — another
+    request's KV, once it is recycled — as this sequence's (checked stores see it by write
+    tracking; this holds whatever ``checked`` is). Visits the batch elements ``unwritten``
+    names, not the whole batch."""
     if len(unwritten) <= 8:  # an engine admitting a few requests between unit and commit
         hits = [(int(j), blk) for bundle, blk in unwritten.items()
                 for j in np.flatnonzero(b == bundle)]
