@@ -107,6 +107,8 @@ class KVStore(StoreCore):
         pool adds its provisional lead of K-1 tokens (§3.3)."""
         if type(frontier) is not int or type(budget) is not int or frontier < 0 or budget < 0:
             frontier, budget = as_int("frontier", frontier, lo=0), as_int("budget", budget, lo=0)
+        if type(pool) is not str or pool not in self.state.pools:  # PoolKind: its name; a
+            pool = self._pool(pool).name                             # pool it lacks: refused
         cfg = self.config
         tokens = budget
         if cfg.lease_growth:

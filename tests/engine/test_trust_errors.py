@@ -50,6 +50,9 @@ def test_bad_calls_are_typed_and_change_nothing(store: KVStore) -> None:
         (InvalidArgument, "layer=-1", lambda: s.batch_view("main", -1)),
         (UnknownHandle, "'nopool' is not enabled", lambda: s.batch_view("nopool", 0)),
         (UnknownHandle, "is not enabled", lambda: s.commit(a, ["main"], 1)),  # unhashable
+        # a read-only query, refused too (it answered for any name: found by a review)
+        (UnknownHandle, "'nopool' is not enabled", lambda: s.entitlement_pages("nopool", 0, 9)),
+        (UnknownHandle, "is not enabled", lambda: s.entitlement_pages(["main"], 0, 9)),
         (InvalidArgument, "seq='1'", lambda: s.commit("1", "main", 1)),
         (InvalidArgument, "checkpoint=None", lambda: s.release(None)),
         (InvalidArgument, "retain", lambda: s.finish(a, retain="yes")),
