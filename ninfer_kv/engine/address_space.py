@@ -22,8 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from ninfer_kv.engine.pages import ArrayField
-
 # ``p`` below is an engine.pool.PoolState; typed loosely because pool.py imports this module
 # (the engine's import graph stays acyclic, tests/engine/test_import_graph.py)
 PoolState = Any
@@ -76,7 +74,7 @@ class KVAddressSpace:
     @property
     def nmem(self) -> int:
         """``len(members)`` without the copy."""
-        return int(self._p.sp_nmem[self.i])
+        return self._p.sp_nmem.item(self.i)
 
     def member(self, block: int) -> int:
         """``members[block]`` without the copy (``0 <= block < nmem``)."""
@@ -96,19 +94,72 @@ class KVAddressSpace:
         p.sp_nmem[self.i] = min(n, keep)
         return dropped
 
-    committed = ArrayField("sp_committed", "i")
-    protected = ArrayField("sp_protected", "i")
-    budget = ArrayField("sp_budget", "i")
-    entitlement = ArrayField("sp_entitlement", "i")
-    active = ArrayField("sp_active", "i", bool)
-    row = ArrayField("sp_row", "i")
-    provisional = ArrayField("sp_provisional", "i")
+    # The array-backed fields, written out: the apply handlers read them on every event, and a
+    # plain property reading ``.item`` (a Python int or bool) costs half of a generic descriptor.
+    @property
+    def committed(self) -> int:
+        return self._p.sp_committed.item(self.i)
+
+    @committed.setter
+    def committed(self, value: int) -> None:
+        self._p.sp_committed[self.i] = value
+
+    @property
+    def protected(self) -> int:
+        return self._p.sp_protected.item(self.i)
+
+    @protected.setter
+    def protected(self, value: int) -> None:
+        self._p.sp_protected[self.i] = value
+
+    @property
+    def budget(self) -> int:
+        return self._p.sp_budget.item(self.i)
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self._p.sp_budget[self.i] = value
+
+    @property
+    def entitlement(self) -> int:
+        return self._p.sp_entitlement.item(self.i)
+
+    @entitlement.setter
+    def entitlement(self, value: int) -> None:
+        self._p.sp_entitlement[self.i] = value
+
+    @property
+    def active(self) -> bool:
+        return self._p.sp_active.item(self.i)
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._p.sp_active[self.i] = value
+
+    @property
+    def row(self) -> int:
+        return self._p.sp_row.item(self.i)
+
+    @row.setter
+    def row(self, value: int) -> None:
+        self._p.sp_row[self.i] = value
+
+    @property
+    def provisional(self) -> int:
+        return self._p.sp_provisional.item(self.i)
+
+    @provisional.setter
+    def provisional(self, value: int) -> None:
+        self._p.sp_provisional[self.i] = value
 
     @property
     def reserved(self) -> int:
         """Entitled pages not yet in the membership and not promised by the source of a
         Move/Fork in flight (``incoming``, non-zero only inside one record)."""
-        return self.entitlement - self.nmem - self.incoming if self.active else 0
+        p, i = self._p, self.i
+        if not p.sp_active.item(i):
+            return 0
+        return p.sp_entitlement.item(i) - p.sp_nmem.item(i) - self.incoming
 
     def as_tuple(self) -> tuple:
         return (self.bundle, self.committed, self.provisional, self.protected, self.active,

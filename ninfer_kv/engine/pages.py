@@ -26,17 +26,17 @@ NO_PAGE = -1
 
 class ArrayField:
     """A view's field stored in its pool's array ``array`` at the view's ``key`` attribute
-    (the slot of a page, the index of a space); read as ``conv`` (int or bool)."""
+    (the slot of a page), read as a Python int."""
 
-    __slots__ = ("array", "key", "conv")
+    __slots__ = ("array", "key")
 
-    def __init__(self, array: str, key: str, conv: type = int) -> None:
-        self.array, self.key, self.conv = array, key, conv
+    def __init__(self, array: str, key: str) -> None:
+        self.array, self.key = array, key
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
         if obj is None:
             return self
-        return self.conv(getattr(obj._p, self.array)[getattr(obj, self.key)])
+        return getattr(obj._p, self.array).item(getattr(obj, self.key))
 
     def __set__(self, obj: Any, value: Any) -> None:
         getattr(obj._p, self.array)[getattr(obj, self.key)] = value
