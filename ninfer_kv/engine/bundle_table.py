@@ -13,7 +13,8 @@ Invariants (``check``; ``SpaceMap`` in engine/pool.py is the only writer):
 * capacity is a power of two, and live plus ``GONE`` entries stay at most half of it, so
   every probe sequence meets an ``EMPTY`` entry;
 * each live id is reachable from its home (``home``) by linear probing over non-``EMPTY``
-  entries, and appears once.
+  entries, and appears once;
+* every key is a seq id (>= 0), ``EMPTY`` or ``GONE``.
 
 The home of an id is a multiplicative (Fibonacci) hash of it, masked to the capacity. Not the
 id itself: long-lived checkpoints left a solid block of entries that the window of
@@ -195,6 +196,9 @@ class BundleTable:
         if cap < 1 or cap & (cap - 1):
             return [f"bundle table capacity {cap} is not a power of two"]
         keys = a[:, 0]
+        for h in np.flatnonzero(keys < GONE)[:4].tolist():  # probing treats one as GONE
+            out.append(f"bundle table entry {h} holds key {int(keys[h])}: neither a seq id "
+                       f"nor EMPTY ({EMPTY}) / GONE ({GONE})")
         live, gone = int((keys >= 0).sum()), int((keys == GONE).sum())
         if (live, gone) != (self.live, self.gone):
             out.append(f"bundle table counts {self.live} live / {self.gone} removed, holds "

@@ -152,6 +152,10 @@ def test_check_names_each_broken_invariant() -> None:
         bt._place(t.array, b, b)
     t.live = 3
     assert any("past half full" in v for v in t.check())
+    t = bt.BundleTable()
+    t.insert(5, 0)
+    t.array[(h + 1) % bt.MIN_CAPACITY, 0] = -7  # a key no writer makes: a damaged table
+    assert any("entry" in v and "holds key -7" in v for v in t.check())
 
 
 def test_an_id_listed_twice_is_reported() -> None:
