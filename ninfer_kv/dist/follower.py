@@ -33,7 +33,7 @@ from ninfer_kv.dist.stream import (
     decode_message,
     encode_ack,
 )
-from ninfer_kv.engine import host
+from ninfer_kv.engine import effects, host
 from ninfer_kv.engine.capacity import GEOMETRY_KEYS, geometry_mismatch
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.device import DeviceState
@@ -317,13 +317,13 @@ class Follower:
                 apply_event(st, e, seq, i)
             if store.journal is None:
                 st.seq = seq
-            for e in events:  # the device effects, in emission order (core._publish_record)
-                if isinstance(e, ev.CopyTail) and store.device.pools[e.pool].planes:
-                    store.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
-                    self.stats["cow_copies"] += 1
-                elif isinstance(e, ev.DeviceRestore):
-                    host.restore_pages(store, [e])
+            device_effects = [e for e in events if type(e) in (ev.CopyTail, ev.DeviceRestore)]
+            effects.run(store, device_effects)  # as the leader's boundary runs them
+            for e in device_effects:
+                if type(e) is ev.DeviceRestore:
                     self.stats["h2d_pages"] += len(ev.unpack(e.pages))
+                elif store.device.pools[e.pool].planes:
+                    self.stats["cow_copies"] += 1
             sync_tables(store)
             reserved = [host.Transfer(e.pool, ev.unpack(e.slots).tolist(),
                                       ev.unpack_i64(e.offsets).tolist(), set())

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from ninfer_kv.engine import host, restart
+from ninfer_kv.engine import effects, host, restart
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import CapacityPlan
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
@@ -293,11 +293,7 @@ class StoreCore:
         verified and published (with the device drops they allow) in that record, which is
         synced before the boundary returns (a durability point)."""
         seq = self._append_pending()
-        for e in self._effects:
-            if isinstance(e, ev.DeviceRestore):
-                host.restore_pages(self, [e])
-            else:
-                self.device.copy_columns(e.pool, e.src_page, e.page, e.columns)
+        effects.run(self, self._effects)
         self._effects.clear()
         if self.state.copy_pins:  # every queued copy ran: release what they pinned
             by_pool: dict[str, list[int]] = {}

@@ -99,9 +99,12 @@ class DeviceState:
         """Every plane of every layer of a pool (the page group's payload)."""
         return [t for layer in self.pools[pool].planes for t in layer.values()]
 
-    def copy_columns(self, pool: str, src_page: int, dst_page: int, columns: int) -> None:
-        """Partial-tail COW: the first ``columns`` token columns of every plane (spec §9.3)."""
-        from ninfer_kv.kernels.copy import copy_tail
+    def copy_tails(self, pool: str, src_pages: Sequence[int], dst_pages: Sequence[int],
+                   columns: Sequence[int]) -> None:
+        """Partial-tail COW copies (spec §9.3), independent of each other: the first
+        ``columns[i]`` token columns of every plane, one kernel call per plane
+        (``kernels.copy.copy_tails``; engine/effects.py batches a boundary's copies)."""
+        from ninfer_kv.kernels.copy import copy_tails
 
-        copy_tail(self.planes(pool), self.pools[pool].geometry.order, src_page, dst_page,
-                  columns)
+        copy_tails(self.planes(pool), self.pools[pool].geometry.order, src_pages, dst_pages,
+                   columns)

@@ -99,6 +99,42 @@ def _copy2d_cuda() -> Any:
     return kernel
 
 
+@jit.njit(parallel=True)
+def _tails_cpu(src, dst, src_ids, dst_ids, nbytes):  # noqa: ANN001
+    """``_copy_cpu`` with a byte count per pair: ``view[o, src[i], m, :nbytes[i]]``."""
+    n = src_ids.shape[0]
+    outer, mid = src.shape[0], src.shape[2]
+    for item in numba.prange(n * outer * mid):
+        i = item // (outer * mid)
+        r = item % (outer * mid)
+        o = r // mid
+        m = r % mid
+        s, d = src_ids[i], dst_ids[i]
+        for w in range(nbytes[i]):
+            dst[o, d, m, w] = src[o, s, m, w]
+
+
+@functools.cache
+def _tails_cuda() -> Any:
+    """``_copy_cuda`` with a byte count per pair (a batch of partial-tail COW copies)."""
+
+    @cuda.jit
+    def kernel(src, dst, src_ids, dst_ids, nbytes):  # noqa: ANN001
+        n = src_ids.shape[0]
+        outer, mid = src.shape[0], src.shape[2]
+        n_rows = n * outer * mid
+        for r in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):
+            i = r // (outer * mid)
+            rem = r % (outer * mid)
+            o = rem // mid
+            m = rem % mid
+            s, d = src_ids[i], dst_ids[i]
+            for w in range(cuda.threadIdx.x, nbytes[i], cuda.blockDim.x):
+                dst[o, d, m, w] = src[o, s, m, w]
+
+    return kernel
+
+
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
     """A ``[1, N, H, W]`` view whose (H, W) block is dense per page, as ``[N, H*W]``."""
     if t.shape[0] != 1 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
@@ -176,15 +212,61 @@ def copy_pages(planes: Sequence[torch.Tensor], order: PlaneOrder, src: Sequence[
 def copy_tail(planes: Sequence[torch.Tensor], order: PlaneOrder, src_page: int, dst_page: int,
               columns: int, *, force_cuda_sim: bool = False) -> None:
     """Partial-tail COW: the first ``columns`` token columns of every plane (spec §9.3)."""
-    columns = as_int("copy_tail: columns", columns, lo=0, hi=P)
-    if not planes or columns == 0:
+    copy_tails(planes, order, [as_int("copy_tail: src_page", src_page)],
+               [as_int("copy_tail: dst_page", dst_page)],
+               [as_int("copy_tail: columns", columns, lo=0, hi=P)],
+               force_cuda_sim=force_cuda_sim)
+
+
+def copy_tails(planes: Sequence[torch.Tensor], order: PlaneOrder, src_pages: Sequence[int],
+               dst_pages: Sequence[int], columns: Sequence[int], *,
+               force_cuda_sim: bool = False) -> None:
+    """A batch of partial-tail COW copies (spec §9.3): the first ``columns[i]`` token columns
+    of page group ``src_pages[i]`` into ``dst_pages[i]``, in every plane — one kernel call per
+    plane for the whole batch (a boundary of k Forks at mid-page frontiers made k calls per
+    plane before: 64 planes of a 32-layer model, k x 64 launches).
+
+    The kernel runs the pairs concurrently, so they must not depend on each other: no page
+    is written twice, nor written by one pair and read by another (``InvalidArgument``
+    otherwise; ``engine/effects.py`` splits a boundary's copies where they depend)."""
+    who = "copy_tails"
+    if not len(src_pages) == len(dst_pages) == len(columns):
+        raise InvalidArgument(f"{who}: {len(src_pages)} source pages, {len(dst_pages)} "
+                              f"destinations and {len(columns)} column counts")
+    cols = [as_int(f"{who}: columns[{i}]", c, lo=0, hi=P) for i, c in enumerate(columns)]
+    src = [as_int(f"{who}: src_pages[{i}]", x) for i, x in enumerate(src_pages)]
+    dst = [as_int(f"{who}: dst_pages[{i}]", x) for i, x in enumerate(dst_pages)]
+    readers: dict[int, list[int]] = {}
+    for i, x in enumerate(src):
+        readers.setdefault(x, []).append(i)
+    if len(set(dst)) != len(dst) or any(j != i for i, x in enumerate(dst)
+                                        for j in readers.get(x, ())):
+        raise InvalidArgument(f"{who}: pairs {list(zip(src, dst, strict=True))[:8]} depend on "
+                              "each other (a page written twice, or written and read): one "
+                              "kernel runs them concurrently")
+    keep = [i for i, c in enumerate(cols) if c]
+    if not planes or not keep:
         return
-    n, dev = _n_pages(planes, order, "copy_tail"), planes[0].device
-    s = _ids([as_int("copy_tail: src_page", src_page)], n, "src_page", "copy_tail", dev)
-    d = _ids([as_int("copy_tail: dst_page", dst_page)], n, "dst_page", "copy_tail", dev)
+    n, dev = _n_pages(planes, order, who), planes[0].device
+    s = _ids([src[i] for i in keep], n, "src_pages", who, dev)
+    d = _ids([dst[i] for i in keep], n, "dst_pages", who, dev)
+    counts = torch.tensor([cols[i] for i in keep], dtype=torch.int64)
+    nbytes: dict[int, torch.Tensor] = {}  # bytes of one token column -> per-pair byte counts
     for t in planes:
-        v = plane_view(t, order, torch.uint8)
-        _copy(v, v, s, d, columns * t.shape[3] * t.element_size(), force_cuda_sim)
+        width = t.shape[3] * t.element_size()
+        if width not in nbytes:
+            nbytes[width] = (counts * width).to(dev)
+        _tails(plane_view(t, order, torch.uint8), s, d, nbytes[width], force_cuda_sim)
+
+
+def _tails(v: torch.Tensor, s: torch.Tensor, d: torch.Tensor, nbytes: torch.Tensor,
+           force_cuda_sim: bool) -> None:
+    args = (dev_view(v), dev_view(v), dev_view(s), dev_view(d), dev_view(nbytes))
+    if use_cuda_kernels(v, force_sim=force_cuda_sim):
+        n_rows = s.numel() * v.shape[0] * v.shape[2]
+        launch(_tails_cuda(), (max(1, min(65535, n_rows)),), 256, *args)
+    else:
+        _tails_cpu(*args)
 
 
 def _heads(t: torch.Tensor, order: PlaneOrder) -> int:

@@ -49,7 +49,7 @@ def warm_profile(profile: Profile | str) -> None:
         page = store.state.pools["main"].pages[store.space(a).members[0]]
         assert page is not None
         free = store.state.pools["main"].free_pages.first()
-        store.device.copy_columns("main", page.device, free, 2)  # a free page: no owner
+        store.device.copy_tails("main", [page.device], [free], [2])  # a free page: no owner
     finally:
         store.close()
 

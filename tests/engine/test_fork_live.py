@@ -190,3 +190,24 @@ def test_a_truncate_of_the_pinned_tail_says_the_boundary_frees_it(tmp_path: Path
     s.truncate(owner, "main", frontier)
     step(s)
     s.check_invariants()
+
+
+def test_forks_of_forks_in_one_interval_copy_in_order(tmp_path: Path) -> None:
+    """A boundary runs its tail copies in batches (engine/effects.py). A fork of a fork made
+    before that boundary copies from the first fork's tail page, which the first copy fills
+    in the same boundary: it must run after it (a batch holding both would copy the page
+    before it holds the bytes). Independent forks share a batch; each sees its own prefix."""
+    s = KVStore.open(small_config(tmp_path, pages=80, concurrency=8))
+    owner = running(s, 700, 100)
+    want = tokens(s, owner, 700)
+    child = s.fork_live(owner, 50, 690)            # COW from the owner's tail page
+    grandchild = s.fork_live(child, 50, 680)       # COW from the child's, not yet copied
+    siblings = [s.fork_live(owner, 50, f) for f in (650, 660, 675)]  # independent
+    step(s)
+    assert same(tokens(s, child, 690), {p: v[:690] for p, v in want.items()})
+    assert same(tokens(s, grandchild, 680), {p: v[:680] for p, v in want.items()})
+    for b, f in zip(siblings, (650, 660, 675), strict=True):
+        assert same(tokens(s, b, f), {p: v[:f] for p, v in want.items()})
+    digest = s.digest()
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == digest

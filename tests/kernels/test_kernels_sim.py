@@ -10,7 +10,14 @@ import torch
 from ninfer_kv.engine.layout import PlaneOrder, Profile
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode
-from ninfer_kv.kernels.copy import copy_pages, copy_tail, host_page_bytes, pack_pages, unpack_pages
+from ninfer_kv.kernels.copy import (
+    copy_pages,
+    copy_tail,
+    copy_tails,
+    host_page_bytes,
+    pack_pages,
+    unpack_pages,
+)
 from tests.kernels.helpers import make_view
 
 pytestmark = pytest.mark.skipif(not numba.config.ENABLE_CUDASIM,
@@ -104,6 +111,34 @@ def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
         for g in (2, 0, 5):
             assert torch.equal(page(t, g), page(s, g))
         assert not page(t, 1).any()
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cuda-sim"])
+@pytest.mark.parametrize("order", [PlaneOrder.PAGE_MAJOR, PlaneOrder.HEAD_MAJOR])
+def test_batched_tail_copies_exact(sim: bool, order: PlaneOrder) -> None:
+    """``copy_tails``: each pair gets its own column count, in every plane (scale planes
+    too), and nothing past it; the pages no pair writes keep their bytes."""
+    profile = Profile.BF16 if order is PlaneOrder.HEAD_MAJOR else Profile.K8V4
+    view = make_view(profile, 2, 64, pages=8, rows=1, logical=2, order=order)
+    planes = [t for t in (view.k_pages, view.v_pages, view.k_scale_pages, view.v_scale_pages)
+              if t is not None]
+    gen = torch.Generator().manual_seed(7)
+    for t in planes:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
+                                                dtype=torch.uint8))
+    before = [t.clone() for t in planes]
+
+    def page(t: torch.Tensor, g: int) -> torch.Tensor:
+        return t[g] if order is PlaneOrder.PAGE_MAJOR else t[:, g]
+
+    pairs = [(0, 5, 17), (1, 6, 63), (2, 7, 1), (3, 4, 0)]  # (src, dst, columns)
+    copy_tails(planes, order, *map(list, zip(*pairs, strict=True)), force_cuda_sim=sim)
+    for t, b in zip(planes, before, strict=True):
+        for src, dst, n in pairs:
+            assert torch.equal(page(t, dst)[:, :n], page(b, src)[:, :n])
+            assert torch.equal(page(t, dst)[:, n:], page(b, dst)[:, n:])
+        for g in range(4):
+            assert torch.equal(page(t, g), page(b, g))
 
 
 @pytest.mark.parametrize("profile", [p for p in Profile if p is not Profile.INT8_G64])

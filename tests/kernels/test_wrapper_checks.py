@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from ninfer_kv.engine.layout import Profile
+from ninfer_kv.engine.layout import PlaneOrder, Profile
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode
+from ninfer_kv.kernels.copy import copy_tails
 from tests.kernels.helpers import make_view
 
 H, D = 2, 64
@@ -204,3 +205,25 @@ def test_a_view_that_is_no_view_is_refused(bad) -> None:  # noqa: ANN001
     with pytest.raises(InvalidArgument, match="takes a batch view"):
         paged_prefill_varlen(torch.randn(1, H, D), bad, ROWS, torch.tensor([0, 1]),
                              torch.tensor([5]))
+
+
+@pytest.mark.parametrize(("src", "dst", "cols", "pattern"), [
+    ([0, 1], [2], [3, 3], "2 source pages, 1 destinations and 2 column counts"),
+    ([0, 1], [2, 2], [3, 3], "depend on each other"),        # one page written twice
+    ([0, 2], [2, 3], [3, 3], "depend on each other"),        # written by one, read by another
+    ([0], [1], [65], r"columns\[0\]=65 must be <= 64"),
+    ([0], [99], [3], r"dst_pages\[0\] = 99 is outside \[0, 16\)"),
+])
+def test_batched_tail_copies_refuse_what_one_kernel_cannot_run(bf16, src, dst, cols,  # noqa: ANN001
+                                                               pattern: str) -> None:
+    """``copy_tails`` runs its pairs concurrently: dependent pairs are refused, not raced;
+    and ids and column counts are checked as ``copy_tail`` checks them. Nothing changes."""
+    planes = [bf16.k_pages, bf16.v_pages]
+    for t in planes:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    before = [t.clone() for t in planes]
+    with pytest.raises(InvalidArgument, match=pattern):
+        copy_tails(planes, PlaneOrder.PAGE_MAJOR, src, dst, cols)
+    assert all(torch.equal(t, b) for t, b in zip(planes, before, strict=True))
+    copy_tails(planes, PlaneOrder.PAGE_MAJOR, [1], [1], [5])  # one pair onto itself: no race
+    assert all(torch.equal(t, b) for t, b in zip(planes, before, strict=True))
