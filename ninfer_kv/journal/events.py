@@ -360,18 +360,41 @@ class EventCodec:
 
 
 def to_jsonable(event: Any) -> dict[str, Any]:
-    """One event as a plain dict for NDJSON: tag first, packed arrays as int lists."""
+    """One event as a plain dict for NDJSON: tag first, packed arrays as int lists, engine
+    metadata as the value it encodes. A packed field whose length is no multiple of its
+    dtype raises ``ValueError`` (a hand-made record)."""
     out: dict[str, Any] = {"type": type(event).__struct_config__.tag}
     for name in event.__struct_fields__:
         v = getattr(event, name)
         if isinstance(v, bytes):
-            v = np.frombuffer(v, dtype=_ARRAY_DTYPES.get(name, I32)).tolist()
+            if name in OPAQUE_FIELDS:
+                v = metadata_jsonable(v)
+            else:  # every other bytes field is a packed array (tests/journal: each declared)
+                v = np.frombuffer(v, dtype=PACKED_FIELDS[name]).tolist()
         out[name] = v
     return out
 
 
-_ARRAY_DTYPES = {"offsets": np.dtype("<i8"), "checksums": np.dtype("<u4")}
-"""Packed array fields that are not int32."""
+PACKED_FIELDS = {"bundles": I32, "slots": I32, "pages": I32, "frontiers": I32, "kept": I32,
+                 "dropped": I32, "epochs": I32, "coverage": I32,
+                 "offsets": np.dtype("<i8"), "checksums": np.dtype("<u4")}
+"""The ``bytes`` fields of events that are packed arrays, and their element type."""
+OPAQUE_FIELDS = frozenset({"meta"})
+"""The ``bytes`` fields that are no array: ``SetMetadata.meta``, the engine's msgpack."""
+
+
+def metadata_jsonable(meta: bytes) -> Any:
+    """``SetMetadata.meta`` for NDJSON: the value it encodes (what ``checkpoint_info``
+    returns; None for an empty one, a clear), or ``{"msgpack_hex": ...}`` when it does not
+    decode or holds what JSON cannot (a foreign record)."""
+    if not meta:
+        return None
+    try:
+        value = msgspec.msgpack.decode(meta)
+        msgspec.json.encode(value)
+    except (msgspec.MsgspecError, TypeError, ValueError):
+        return {"msgpack_hex": meta.hex()}
+    return value
 
 
 CODEC = EventCodec()

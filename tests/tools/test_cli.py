@@ -7,12 +7,22 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 from structlog.testing import capture_logs
 
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import JournalError
-from ninfer_kv.journal.events import CODEC, CommitFrontiers, pack, unpack
+from ninfer_kv.journal.events import (
+    CODEC,
+    OPAQUE_FIELDS,
+    PACKED_FIELDS,
+    CommitFrontiers,
+    Event,
+    metadata_jsonable,
+    pack,
+    unpack,
+)
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import diff, replay
@@ -139,6 +149,39 @@ def test_dump_ndjson(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0]["type"] == "cfg" and lines[0]["seq"] == 1
     assert len(lines) == replay(run["journal"]).events
     assert any(x["type"] == "hpub" and all(c >= 0 for c in x["checksums"]) for x in lines)
+
+
+def test_dump_prints_metadata_as_the_value_it_encodes(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Review finding: ``dump`` read every bytes field as packed int32s, metadata included: a
+    journal holding metadata of 13 encoded bytes was refused as unappliable, one of 12 bytes
+    printed as meaningless integers. Metadata prints as what ``checkpoint_info`` returns; a
+    clear as null; bytes that are no msgpack (a foreign record) as hex."""
+    from tests.engine.conftest import small_config
+
+    s = KVStore.open(small_config(tmp_path, allocate_planes=False))
+    a, b = s.activate(10, 5), s.activate(10, 5)
+    s.set_metadata(a, {"model": "llama"})                      # 13 bytes of msgpack
+    s.set_metadata(b, {"tokens": [1, 2, 3]})                   # 12 bytes
+    s.set_metadata(b, None)
+    with s.boundary():
+        pass
+    s.close()
+    journal = str(tmp_path / "journal")
+    assert main(["dump", journal]) == 0
+    metas = [json.loads(x)["meta"] for x in capsys.readouterr().out.splitlines()
+             if json.loads(x)["type"] == "meta"]
+    assert metas == [{"model": "llama"}, {"tokens": [1, 2, 3]}, None]
+    assert metadata_jsonable(b"\xc1") == {"msgpack_hex": "c1"}  # 0xc1: never used by msgpack
+
+
+def test_every_bytes_field_of_every_event_is_declared() -> None:
+    """``to_jsonable`` reads a bytes field as a packed array of its declared type, or as
+    metadata: a new bytes field must say which (else a KeyError in every dump)."""
+    fields = {f.name for cls in Event.__args__ for f in msgspec.structs.fields(cls)
+              if f.type is bytes}
+    assert fields == set(PACKED_FIELDS) | OPAQUE_FIELDS
+    assert not set(PACKED_FIELDS) & OPAQUE_FIELDS
 
 
 def test_events_stream(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
