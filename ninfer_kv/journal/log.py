@@ -25,7 +25,6 @@ from ninfer_kv.errors import ConfigError, JournalCorrupt, JournalError, JournalF
 from ninfer_kv.journal.format import (
     FRAME_OVERHEAD,
     MAX_PAYLOAD,
-    SEG_HEADER_SIZE,
     TMP_RE,
     SegmentHeader,
     pack_record,
@@ -42,7 +41,7 @@ from ninfer_kv.journal.recovery import (
     list_snapshots,
     scan,
 )
-from ninfer_kv.journal.restore import scan_from_snapshot, usable_snapshots
+from ninfer_kv.journal.restore import first_needed_segment, scan_from_snapshot, usable_snapshots
 
 log = structlog.get_logger(__name__)
 
@@ -320,16 +319,13 @@ class Journal:
                   if not isinstance(s, str) and accept(s.payload)]
         if not usable:
             return 0
-        oldest = min(usable)
-        segs = list_segments(self.directory, self.fs)
+        keep = first_needed_segment(self.directory, min(usable), self.fs)
         removed = 0
-        for (_, path), (_, nxt) in zip(segs, segs[1:], strict=False):
-            first_next = SegmentHeader.parse(self.fs.read(nxt, SEG_HEADER_SIZE))
-            if isinstance(first_next, SegmentHeader) and first_next.first_seq - 1 <= oldest:
-                self.fs.remove(path)
-                removed += 1
-            else:
+        for num, path in list_segments(self.directory, self.fs):
+            if keep is None or num >= keep:
                 break
+            self.fs.remove(path)  # records only up to the snapshot's (a damaged header too)
+            removed += 1
         if removed:
             self.fs.fsync_dir(self.directory)
         return removed

@@ -58,8 +58,11 @@ def snapshot_segment(directory: str, schema_major: int, fs: FileSystem = OS_FS) 
     """The segment a recovery from the newest well-formed snapshot starts its scan at: the
     last one whose first record is at most one past the snapshot's (a snapshot ends its
     segment, so usually the segment right after it). None without such a snapshot. Reads
-    segment headers only; whether the snapshot is on the log's CRC chain is decided by the
-    scan (:func:`usable_snapshots`)."""
+    segment headers only; a header that does not parse is stepped over, so damage in a
+    segment the snapshot covers, header included, is never read (a review found the scan
+    starting at the log's first segment instead, refusing the journal, and salvage then
+    cutting every acknowledged record after it). Whether the snapshot is on the log's CRC
+    chain is decided by the scan (:func:`usable_snapshots`)."""
     snap = None
     for seq, path in reversed(list_snapshots(directory, fs)):
         cand = parse_snapshot(read_file(fs, path))
@@ -69,10 +72,21 @@ def snapshot_segment(directory: str, schema_major: int, fs: FileSystem = OS_FS) 
             break
     if snap is None:
         return None
+    return first_needed_segment(directory, snap.seq, fs)
+
+
+def first_needed_segment(directory: str, seq: int, fs: FileSystem = OS_FS) -> int | None:
+    """The last segment whose first record is at most ``seq + 1``: the segments before it
+    hold only records up to ``seq`` (a snapshot at ``seq`` covers them). A header that does
+    not parse is stepped over: when a later segment still starts at or before ``seq + 1``,
+    the damaged one is covered; else a scan from the segment returned meets it and refuses.
+    None when no header parses or the first segment starts past ``seq + 1``."""
     start = None
     for num, path in list_segments(directory, fs):
         hdr = SegmentHeader.parse(read_file(fs, path, SEG_HEADER_SIZE))
-        if isinstance(hdr, str) or hdr.first_seq > snap.seq + 1:
+        if isinstance(hdr, str):
+            continue
+        if hdr.first_seq > seq + 1:
             break
         start = num
     return start

@@ -100,6 +100,41 @@ def test_damage_in_a_covered_segment_is_compacted_not_read() -> None:
     del j
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_damaged_header_in_a_covered_segment_is_not_read(which: int) -> None:
+    """Review finding: the scan's start walked segment headers from the first and stopped at
+    one that did not parse, so a damaged header the snapshot covers made recovery start at
+    segment 1 and refuse the journal — and salvage then cut every record after it, the
+    snapshot's and the acknowledged ones after it included. A covered header is not read."""
+    fs = CrashFS()
+    j = log_with_snapshot(fs)
+    start = snapshot_segment(D, 1, fs)
+    damaged = segs(fs)[which]
+    assert start is not None and int(damaged[-12:-4]) < start
+    fs.files[damaged].durable[5] ^= 0x01  # inside the header (its CRC no longer matches)
+    assert snapshot_segment(D, 1, fs) == start
+    st, last = _recover(fs)
+    assert last == 80 and st == reference(80)
+    j2 = Journal.open(D, CODEC, fs=fs, options=JournalOptions(salvage=True))
+    assert j2.recovery.cuts == [] and j2.last_seq == 80
+    assert j2.compact() > 0 and damaged not in segs(fs)
+    j2.close()
+    del j
+
+
+def test_a_damaged_header_after_the_snapshot_is_refused() -> None:
+    fs = CrashFS()
+    log_with_snapshot(fs)
+    start = snapshot_segment(D, 1, fs)
+    later = [p for p in segs(fs) if int(p[-12:-4]) > start]
+    assert later
+    fs.files[later[0]].durable[5] ^= 0x01
+    with pytest.raises(JournalCorrupt, match="header"):
+        _recover(fs)
+    with pytest.raises(JournalCorrupt, match="header"):
+        Journal.open(D, CODEC, fs=fs)
+
+
 def test_an_unusable_newest_snapshot_falls_back_to_the_whole_log() -> None:
     fs = CountingFS()
     log_with_snapshot(fs)
