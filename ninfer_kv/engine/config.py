@@ -146,6 +146,7 @@ def _int(name: str, v: object, lo: int) -> int:
 class RecoveryReport:
     records: int = 0
     snapshot_seq: int = 0
+    """The snapshot recovery started from (0: none, the whole log was replayed)."""
     cuts: list[str] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)

@@ -196,10 +196,13 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
     try:
         state, report, res = StoreState(), RecoveryReport(), None
         if jdir is not None:                                   # 3. read-only recovery
+            def used(seq: int) -> None:
+                report.snapshot_seq = seq
+
             state, last, res = recover_state(  # from the newest snapshot's segment on
                 jdir, schema_major=CODEC.schema[0], initial=StoreState,
                 load_snapshot=load_snapshot, apply_record=_apply_record, repair=False,
-                skipped=report.snapshots_skipped)
+                skipped=report.snapshots_skipped, on_snapshot=used)
             report.records = last
             report.cuts = [str(c) for c in res.cuts]
             broken = violations(state)

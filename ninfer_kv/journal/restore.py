@@ -117,7 +117,9 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
                   apply_record: Callable[[S, int, memoryview], None],
                   fs: FileSystem = OS_FS, salvage: bool = False,
                   scan_result: ScanResult | None = None, repair: bool = True,
-                  skipped: list[str] | None = None) -> tuple[S, int, ScanResult]:
+                  skipped: list[str] | None = None,
+                  on_snapshot: Callable[[int], None] | None = None
+                  ) -> tuple[S, int, ScanResult]:
     """Newest usable snapshot + replay of the tail. Returns (state, last seq, scan).
 
     Without ``scan_result`` the scan starts at the newest snapshot's segment
@@ -125,7 +127,8 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
     compacted. If that snapshot turns out unusable the whole log is scanned instead.
 
     A snapshot that cannot be used (damaged, beyond the log, off its CRC chain, or whose
-    payload ``load_snapshot`` refuses) is skipped, logged and listed in ``skipped``; with
+    payload ``load_snapshot`` refuses) is skipped, logged and listed in ``skipped``;
+    ``on_snapshot`` gets the seq of the one used, if any. With
     none usable the whole log is replayed — which needs the log to start at seq 1. A record
     that ``apply_record`` cannot apply raises ``JournalCorrupt`` naming it."""
     def full() -> ScanResult:
@@ -144,6 +147,8 @@ def recover_state(directory: str, *, schema_major: int, initial: Callable[[], S]
             apply_repairs(res, fs)
     state, start, why_skipped = found
     skipped.extend(why_skipped)
+    if state is not None and on_snapshot is not None:
+        on_snapshot(start - 1)  # the seq of the snapshot recovery starts from
     for why in skipped:
         log.warning("journal.snapshot_skipped", reason=why)
     if state is None:

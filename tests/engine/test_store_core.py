@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import structlog.testing
 import torch
@@ -22,7 +24,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.journal.events import Materialize
 from ninfer_kv.replay import replay
-from tests.engine.conftest import MakeStore, assert_refusals_change_nothing
+from tests.engine.conftest import MakeStore, assert_refusals_change_nothing, small_config
 
 
 def step(s: KVStore) -> None:
@@ -266,9 +268,27 @@ def test_snapshot_recovery_equals_full_replay(make_store: MakeStore, tmp_path) -
     def apply_record(st, seq, payload) -> None:  # noqa: ANN001
         apply_all(st, CODEC.decode(payload))
 
+    used: list[int] = []
     st, last, _ = recover_state(str(tmp_path / "journal"), schema_major=1, initial=lambda: None,
-                                load_snapshot=decode_state, apply_record=apply_record)
+                                load_snapshot=decode_state, apply_record=apply_record,
+                                on_snapshot=used.append)
     assert digest(st) == live and last == s.state.seq
+    assert used == [s.state.seq - 1]  # the snapshot ended the record before the last one
+
+
+def test_the_recovery_report_names_the_snapshot_it_started_from(tmp_path: Path) -> None:
+    """Review finding: ``RecoveryReport.snapshot_seq`` was never set (0 after any reopen)."""
+    cfg = small_config(tmp_path)
+    s = KVStore.open(cfg)
+    step(s)
+    s.snapshot()
+    at = s.state.seq
+    s.activate(10, 10)
+    step(s)
+    s.close()
+    s = KVStore.open(cfg)
+    assert s.recovery.snapshot_seq == at > 0
+    s.close()
 
 
 def test_recovery_logs_one_warning_for_all_dropped_checkpoints(make_store: MakeStore) -> None:
