@@ -209,6 +209,13 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
                                      f"the recovered state breaks §14: {'; '.join(broken[:3])}")
+            if not res.segments and os.path.lexists(os.path.join(jdir, ARENA_ID)):
+                # a first open writes segment 1 before the token, so no crash leaves this
+                raise JournalCorrupt(0, 0, f"journal {jdir} holds no segment, but its "
+                                     f"{ARENA_ID} token says it had a history (a host tier "
+                                     "was opened with it): its log is gone. To start a new "
+                                     f"journal here, remove {ARENA_ID} and the arena's .id "
+                                     "token")
         if state.configured:                                   # 4. validate against it
             _check_matches(state, config, plan, specs, arena_path, jdir)
         token = _check_arena(state, arena_path, jdir) if arena_path is not None else None

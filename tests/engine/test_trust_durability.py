@@ -94,6 +94,31 @@ def test_a_snapshot_without_its_log_is_refused_not_replaced(tmp_path: Path) -> N
         KVStore.open(s.config)
 
 
+def test_a_log_gone_whole_is_refused_when_the_arena_token_says_it_existed(tmp_path: Path
+                                                                           ) -> None:
+    """Review note: with every segment deleted and no snapshot, the store opened a fresh log
+    and the acknowledged checkpoints were gone without a word, although the journal's ARENA
+    token (written after segment 1 at the first open) proved a history. Refused now; removing
+    the token is the deliberate way to start over."""
+    cfg = small_config(tmp_path, host_bytes=1 << 20, persist_dir=str(tmp_path / "persist"))
+    s = KVStore.open(cfg)
+    ck = s.finish(s.activate(100, 100), retain=True)
+    step(s)
+    s.offload(ck)
+    step(s)
+    s.close()
+    jdir = Path(s.config.journal_path)
+    for seg in segments(jdir):
+        seg.unlink()
+    with pytest.raises(JournalCorrupt, match="holds no segment, but its ARENA token"):
+        KVStore.open(cfg)
+    (jdir / "ARENA").unlink()         # a new history, by the operator's choice
+    (tmp_path / "persist" / "host_arena.bin.id").unlink()
+    s = KVStore.open(cfg)
+    assert s.checkpoints() == []
+    s.close()
+
+
 def test_foreign_snapshots_are_skipped_and_reported(tmp_path: Path) -> None:
     other = KVStore.open(small_config(tmp_path / "other"))
     other.activate(10, 10)
