@@ -97,10 +97,19 @@ def _positive(**values: int) -> None:
             raise ConfigError(f"{name}={v} must be positive")
 
 
+JOURNAL_INT_MAX = (1 << 31) - 1
+"""Token frontiers, page-group ids and rows travel in the journal's packed int32 fields."""
+
+
 def validate(model: ModelGeometry, serving: ServingConfig) -> None:
     """Every rule of the geometry, checked once, before any number is derived from it."""
     _positive(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
               max_context=serving.max_context, max_concurrency=serving.max_concurrency)
+    lead = max(_integer("draft_window", serving.draft_window), 1)  # a provisional frontier's
+    if serving.max_context + lead > JOURNAL_INT_MAX or serving.max_concurrency > JOURNAL_INT_MAX:
+        raise ConfigError(f"max_context={serving.max_context} (+ draft_window {lead}) and "
+                          f"max_concurrency={serving.max_concurrency} must stay below 2**31: "
+                          "token frontiers and rows are int32 in the journal")
     _integer("draft_window", serving.draft_window)
     if _integer("allowance_bytes", serving.allowance_bytes) < 0:
         raise ConfigError(f"allowance_bytes={serving.allowance_bytes} must be >= 0")
@@ -257,6 +266,11 @@ def default_kv_tokens(serving: ServingConfig) -> int:
 
 def _finish(model: ModelGeometry, serving: ServingConfig, policy: str, m: int,
             curve: CapacityCurve) -> CapacityPlan:
+    big = {k.value: n for k, n in backend_pages(serving, model, m).items()
+           if n > JOURNAL_INT_MAX}
+    if big:
+        raise CapacityError(f"pool pages {big} past 2**31 - 1: page-group ids are int32 in "
+                            "the journal")
     layout = build_layout(model, serving, m)
     if layout.total_bytes != curve(m):  # the curve must describe the layout we will build
         raise CapacityError(f"layout bytes {layout.total_bytes} != B({m}) = {curve(m)}: "
