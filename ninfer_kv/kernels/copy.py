@@ -50,6 +50,7 @@ def row_bytes(t: torch.Tensor) -> int:
 
 @jit.njit(parallel=True)
 def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
+    """``dst[o, dst_ids[i], m, :words[i]] = src[o, src_ids[i], m, :words[i]]``."""
     n = src_ids.shape[0]
     outer, mid = src.shape[0], src.shape[2]
     for item in numba.prange(n * outer * mid):
@@ -58,7 +59,7 @@ def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
         o = r // mid
         m = r % mid
         s, d = src_ids[i], dst_ids[i]
-        for w in range(words):
+        for w in range(words[i]):
             dst[o, d, m, w] = src[o, s, m, w]
 
 
@@ -78,7 +79,7 @@ def _copy_cuda() -> Any:
             o = rem // mid
             m = rem % mid
             s, d = src_ids[i], dst_ids[i]
-            for w in range(cuda.threadIdx.x, words, cuda.blockDim.x):
+            for w in range(cuda.threadIdx.x, words[i], cuda.blockDim.x):
                 dst[o, d, m, w] = src[o, s, m, w]
 
     return kernel
@@ -99,42 +100,6 @@ def _copy2d_cuda() -> Any:
     return kernel
 
 
-@jit.njit(parallel=True)
-def _tails_cpu(src, dst, src_ids, dst_ids, nbytes):  # noqa: ANN001
-    """``_copy_cpu`` with a byte count per pair: ``view[o, src[i], m, :nbytes[i]]``."""
-    n = src_ids.shape[0]
-    outer, mid = src.shape[0], src.shape[2]
-    for item in numba.prange(n * outer * mid):
-        i = item // (outer * mid)
-        r = item % (outer * mid)
-        o = r // mid
-        m = r % mid
-        s, d = src_ids[i], dst_ids[i]
-        for w in range(nbytes[i]):
-            dst[o, d, m, w] = src[o, s, m, w]
-
-
-@functools.cache
-def _tails_cuda() -> Any:
-    """``_copy_cuda`` with a byte count per pair (a batch of partial-tail COW copies)."""
-
-    @cuda.jit
-    def kernel(src, dst, src_ids, dst_ids, nbytes):  # noqa: ANN001
-        n = src_ids.shape[0]
-        outer, mid = src.shape[0], src.shape[2]
-        n_rows = n * outer * mid
-        for r in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):
-            i = r // (outer * mid)
-            rem = r % (outer * mid)
-            o = rem // mid
-            m = rem % mid
-            s, d = src_ids[i], dst_ids[i]
-            for w in range(cuda.threadIdx.x, nbytes[i], cuda.blockDim.x):
-                dst[o, d, m, w] = src[o, s, m, w]
-
-    return kernel
-
-
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
     """A ``[1, N, H, W]`` view whose (H, W) block is dense per page, as ``[N, H*W]``."""
     if t.shape[0] != 1 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
@@ -144,19 +109,27 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-          words: int, force_cuda_sim: bool = False) -> None:
-    if words <= 0 or src_ids.numel() == 0:
+          words: int | torch.Tensor, force_cuda_sim: bool = False) -> None:
+    """``view[o, src_ids[i], m, :w] -> view'[o, dst_ids[i], m, :w]`` for every pair, ``w`` one
+    count for all pairs, or ``words[i]`` (an int64 tensor on the ids' device: COW tails, each
+    with its own column count)."""
+    n = src_ids.numel()
+    if n == 0 or (isinstance(words, int) and words <= 0):
         return
-    rs, rd = _as_rows(src), _as_rows(dst)
-    if (words == src.shape[3] and rs is not None and rd is not None
-            and use_cuda_kernels(src, dst, force_sim=force_cuda_sim)):
-        launch(_copy2d_cuda(), (max(1, min(65535, src_ids.numel())),), 256, dev_view(rs),
-               dev_view(rd), dev_view(src_ids), dev_view(dst_ids), rs.shape[1])
-        return
-    args = (dev_view(src), dev_view(dst), dev_view(src_ids), dev_view(dst_ids), words)
-    if use_cuda_kernels(src, dst, force_sim=force_cuda_sim):
-        n_rows = src_ids.numel() * src.shape[0] * src.shape[2]
-        launch(_copy_cuda(), (max(1, min(65535, n_rows)),), 256 if words >= 256 else 64, *args)
+    on_cuda = use_cuda_kernels(src, dst, force_sim=force_cuda_sim)
+    block = 256
+    if isinstance(words, int):
+        rs, rd = _as_rows(src), _as_rows(dst)
+        if on_cuda and words == src.shape[3] and rs is not None and rd is not None:
+            launch(_copy2d_cuda(), (max(1, min(65535, n)),), 256, dev_view(rs), dev_view(rd),
+                   dev_view(src_ids), dev_view(dst_ids), rs.shape[1])
+            return
+        block = 256 if words >= 256 else 64
+        words = torch.full((n,), words, dtype=torch.int64, device=src_ids.device)
+    args = (dev_view(src), dev_view(dst), dev_view(src_ids), dev_view(dst_ids), dev_view(words))
+    if on_cuda:
+        n_rows = n * src.shape[0] * src.shape[2]
+        launch(_copy_cuda(), (max(1, min(65535, n_rows)),), block, *args)
     else:
         _copy_cpu(*args)
 
@@ -256,17 +229,8 @@ def copy_tails(planes: Sequence[torch.Tensor], order: PlaneOrder, src_pages: Seq
         width = t.shape[3] * t.element_size()
         if width not in nbytes:
             nbytes[width] = (counts * width).to(dev)
-        _tails(plane_view(t, order, torch.uint8), s, d, nbytes[width], force_cuda_sim)
-
-
-def _tails(v: torch.Tensor, s: torch.Tensor, d: torch.Tensor, nbytes: torch.Tensor,
-           force_cuda_sim: bool) -> None:
-    args = (dev_view(v), dev_view(v), dev_view(s), dev_view(d), dev_view(nbytes))
-    if use_cuda_kernels(v, force_sim=force_cuda_sim):
-        n_rows = s.numel() * v.shape[0] * v.shape[2]
-        launch(_tails_cuda(), (max(1, min(65535, n_rows)),), 256, *args)
-    else:
-        _tails_cpu(*args)
+        v = plane_view(t, order, torch.uint8)
+        _copy(v, v, s, d, nbytes[width], force_cuda_sim)
 
 
 def _heads(t: torch.Tensor, order: PlaneOrder) -> int:

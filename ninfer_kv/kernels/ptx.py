@@ -50,7 +50,7 @@ def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
 
     from ninfer_kv.kernels.append import _append_cuda
     from ninfer_kv.kernels.attention import _decode_cuda
-    from ninfer_kv.kernels.copy import _copy2d_cuda, _copy_cuda, _tails_cuda
+    from ninfer_kv.kernels.copy import _copy2d_cuda, _copy_cuda
     from ninfer_kv.kernels.prefill_cuda import prefill_kernel
 
     i32, f32 = types.int32, types.float32
@@ -76,13 +76,11 @@ def compile_all(cc: tuple[int, int] = (9, 0)) -> dict[str, int]:
             for ne, ng in ((2, 1), (4, 4), (8, 8), (4, 2)):
                 ptx, _ = cuda.compile_ptx(prefill_kernel(ne, ng, kid, vid).py_func, sig, cc=cc)
             out[f"prefill/{prof.value}"] = len(ptx)
+        n1 = types.Array(types.int64, 1, "A")  # words per pair
         for unit in (types.int64, types.uint8):
             v4 = types.Array(unit, 4, "A")
-            ptx, _ = cuda.compile_ptx(_copy_cuda().py_func, (v4, v4, a1, a1, types.int64), cc=cc)
+            ptx, _ = cuda.compile_ptx(_copy_cuda().py_func, (v4, v4, a1, a1, n1), cc=cc)
             out[f"copy/{unit}"] = len(ptx)
-        u4, n1 = types.Array(types.uint8, 4, "A"), types.Array(types.int64, 1, "A")
-        ptx, _ = cuda.compile_ptx(_tails_cuda().py_func, (u4, u4, a1, a1, n1), cc=cc)
-        out["tails/uint8"] = len(ptx)
         v2 = types.Array(types.int64, 2, "A")
         ptx, _ = cuda.compile_ptx(_copy2d_cuda().py_func, (v2, v2, a1, a1, types.int64), cc=cc)
         out["copy2d/int64"] = len(ptx)

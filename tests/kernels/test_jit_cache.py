@@ -22,7 +22,7 @@ from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.kernels import copy
 planes = [torch.zeros(2, 1, 64, 8, dtype=torch.uint8)]  # 2 pages, 1 head
 copy.copy_tail(planes, PlaneOrder.PAGE_MAJOR, 0, 1, 3)
-st = copy._tails_cpu.stats
+st = copy._copy_cpu.stats
 print(json.dumps({"hits": sum(st.cache_hits.values()), "misses": sum(st.cache_misses.values()),
                   "path": st.cache_path}))
 """
@@ -101,7 +101,7 @@ def test_warmup_runs_every_kernel_of_a_profile() -> None:
             "s = ninfer_kv.warmup(['bf16'])\n"
             "print(json.dumps([list(s), [sorted({a.layout for sig in k.signatures for a in sig"
             " if getattr(a, 'ndim', 0) == 4}) for k in "
-            "(append._append_cpu, attention._decode_cpu, copy._tails_cpu, "
+            "(append._append_cpu, attention._decode_cpu, copy._copy_cpu, "
             "prefill._prefill_cpu)]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True)

@@ -77,21 +77,32 @@ def test_sim_head_major_draft_pool() -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cuda-sim"])
-@pytest.mark.parametrize("order", [PlaneOrder.PAGE_MAJOR, PlaneOrder.HEAD_MAJOR])
-def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
+def random_planes(order: PlaneOrder, pages: int, seed: int) -> list[torch.Tensor]:
+    """Every plane of a pool (BF16 head-major, or K8V4 page-major: scale planes of other
+    shapes too), filled with random bytes."""
     profile = Profile.BF16 if order is PlaneOrder.HEAD_MAJOR else Profile.K8V4
-    view = make_view(profile, 2, 64, pages=6, rows=1, logical=2, order=order)
+    view = make_view(profile, 2, 64, pages=pages, rows=1, logical=2, order=order)
     planes = [t for t in (view.k_pages, view.v_pages, view.k_scale_pages, view.v_scale_pages)
               if t is not None]
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(seed)
     for t in planes:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
                                                 dtype=torch.uint8))
+    return planes
+
+
+def page_of(order: PlaneOrder, t: torch.Tensor, g: int) -> torch.Tensor:
+    return t[g] if order is PlaneOrder.PAGE_MAJOR else t[:, g]
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cuda-sim"])
+@pytest.mark.parametrize("order", [PlaneOrder.PAGE_MAJOR, PlaneOrder.HEAD_MAJOR])
+def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
+    planes = random_planes(order, 6, 4)
     before = [t.clone() for t in planes]
 
     def page(t: torch.Tensor, g: int) -> torch.Tensor:
-        return t[g] if order is PlaneOrder.PAGE_MAJOR else t[:, g]
+        return page_of(order, t, g)
 
     copy_pages(planes, order, [0, 3], [5, 1], force_cuda_sim=sim)
     for t, b in zip(planes, before, strict=True):
@@ -118,18 +129,11 @@ def test_copies_exact(sim: bool, order: PlaneOrder) -> None:
 def test_batched_tail_copies_exact(sim: bool, order: PlaneOrder) -> None:
     """``copy_tails``: each pair gets its own column count, in every plane (scale planes
     too), and nothing past it; the pages no pair writes keep their bytes."""
-    profile = Profile.BF16 if order is PlaneOrder.HEAD_MAJOR else Profile.K8V4
-    view = make_view(profile, 2, 64, pages=8, rows=1, logical=2, order=order)
-    planes = [t for t in (view.k_pages, view.v_pages, view.k_scale_pages, view.v_scale_pages)
-              if t is not None]
-    gen = torch.Generator().manual_seed(7)
-    for t in planes:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
-                                                dtype=torch.uint8))
+    planes = random_planes(order, 8, 7)
     before = [t.clone() for t in planes]
 
     def page(t: torch.Tensor, g: int) -> torch.Tensor:
-        return t[g] if order is PlaneOrder.PAGE_MAJOR else t[:, g]
+        return page_of(order, t, g)
 
     pairs = [(0, 5, 17), (1, 6, 63), (2, 7, 1), (3, 4, 0)]  # (src, dst, columns)
     copy_tails(planes, order, *map(list, zip(*pairs, strict=True)), force_cuda_sim=sim)
