@@ -105,11 +105,11 @@ def validate(model: ModelGeometry, serving: ServingConfig) -> None:
     """Every rule of the geometry, checked once, before any number is derived from it."""
     _positive(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
               max_context=serving.max_context, max_concurrency=serving.max_concurrency)
-    lead = max(_integer("draft_window", serving.draft_window), 1)  # a provisional frontier's
-    if serving.max_context + lead > JOURNAL_INT_MAX or serving.max_concurrency > JOURNAL_INT_MAX:
-        raise ConfigError(f"max_context={serving.max_context} (+ draft_window {lead}) and "
-                          f"max_concurrency={serving.max_concurrency} must stay below 2**31: "
-                          "token frontiers and rows are int32 in the journal")
+    columns = logical_pages(serving) * P  # a frontier (committed or provisional) reaches
+    if columns > JOURNAL_INT_MAX or serving.max_concurrency > JOURNAL_INT_MAX:  # L * P
+        raise ConfigError(f"max_context={serving.max_context} (L * P = {columns} token "
+                          f"columns) and max_concurrency={serving.max_concurrency} must stay "
+                          "below 2**31: token frontiers and rows are int32 in the journal")
     _integer("draft_window", serving.draft_window)
     if _integer("allowance_bytes", serving.allowance_bytes) < 0:
         raise ConfigError(f"allowance_bytes={serving.allowance_bytes} must be >= 0")

@@ -386,15 +386,16 @@ OPAQUE_FIELDS = frozenset({"meta"})
 def metadata_jsonable(meta: bytes) -> Any:
     """``SetMetadata.meta`` for NDJSON: the value it encodes (what ``checkpoint_info``
     returns; None for an empty one, a clear), or ``{"msgpack_hex": ...}`` when it does not
-    decode or holds what JSON cannot (a foreign record)."""
+    decode, or when JSON would not give it back unchanged (bytes, which JSON writes as
+    base64 text; NaN, written as null; a map with keys that are no strings)."""
     if not meta:
         return None
     try:
         value = msgspec.msgpack.decode(meta)
-        msgspec.json.encode(value)
+        same = msgspec.json.decode(msgspec.json.encode(value)) == value
     except (msgspec.MsgspecError, TypeError, ValueError):
-        return {"msgpack_hex": meta.hex()}
-    return value
+        same = False
+    return value if same else {"msgpack_hex": meta.hex()}
 
 
 CODEC = EventCodec()

@@ -160,17 +160,20 @@ def test_bad_capacity_inputs() -> None:
 
 def test_a_plan_the_journal_cannot_record_is_refused() -> None:
     """Review note: ``plan --max-context 99999999999999999999`` printed a plan. Frontiers
-    (S plus an MTP lead), rows and page-group ids are int32 in the journal's packed fields:
-    a commit past 2**31 would have wrapped there, and replay diverged from the live state."""
+    (committed and provisional: up to L * P, a page-rounded S), rows and page-group ids are
+    int32 in the journal's packed fields: a frontier past 2**31 wrapped there (a second
+    review: S = 2**31 - 5 planned, and a valid provisional frontier of 2**31 failed the
+    store when its event applied)."""
     top = (1 << 31) - 1
+    last = top // P * P                               # the largest S whose L * P fits
     with pytest.raises(ConfigError, match="must stay below 2..31"):
-        plan_explicit(M, ServingConfig(max_context=top - 3, max_concurrency=1), top)  # K=4
+        plan_explicit(M, ServingConfig(max_context=last + 1, max_concurrency=1), last + 1)
     with pytest.raises(ConfigError, match="must stay below 2..31"):
         plan_explicit(M, ServingConfig(max_context=64, max_concurrency=top + 1), 1 << 40)
     with pytest.raises(CapacityError, match="page-group ids are int32"):
         plan_explicit(M, ServingConfig(max_context=1 << 30, max_concurrency=256), 150 * 10**9)
-    assert plan_explicit(M, ServingConfig(max_context=top - 4, max_concurrency=1), top - 4).S \
-        == top - 4                                    # the largest S with K=4 still plans
+    assert plan_explicit(M, ServingConfig(max_context=last, max_concurrency=1), last).L * P \
+        == last <= top                                # the largest S still plans
 
 
 geometries = st.builds(

@@ -173,6 +173,9 @@ def test_dump_prints_metadata_as_the_value_it_encodes(tmp_path: Path,
              if json.loads(x)["type"] == "meta"]
     assert metas == [{"model": "llama"}, {"tokens": [1, 2, 3]}, None]
     assert metadata_jsonable(b"\xc1") == {"msgpack_hex": "c1"}  # 0xc1: never used by msgpack
+    for odd in (b"\x00\x01", float("nan"), {1: "a"}):  # what JSON would not give back (review)
+        raw = msgspec.msgpack.encode(odd)
+        assert metadata_jsonable(raw) == {"msgpack_hex": raw.hex()}
 
 
 def test_every_bytes_field_of_every_event_is_declared() -> None:
