@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ninfer_kv.errors import InvalidArgument
+from ninfer_kv.errors import FrontierError, InvalidArgument
 from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD, REASON_MAX, SetMetadata
 
 _BOOLS = (bool, np.bool_)
@@ -109,6 +109,21 @@ def same_length(**batches: Sequence[Any]) -> int:
         raise InvalidArgument("batched arguments differ in length: "
                               + ", ".join(f"{k}={len(v)}" for k, v in batches.items()))
     return lengths[0] if lengths else 0
+
+
+def token_budget(prompt_tokens: Any, max_output_tokens: Any, s: int) -> tuple[int, int, int]:
+    """(prompt, output, total) of an activation: integers >= 0 whose sum is positive and at
+    most the logical ceiling ``s`` (§3.2), else refused naming them."""
+    prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
+    max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
+    total = prompt_tokens + max_output_tokens
+    if total <= 0:
+        raise FrontierError(f"prompt_tokens={prompt_tokens} + max_output_tokens="
+                            f"{max_output_tokens}: need a positive budget (a positive sum)")
+    if total > s:
+        raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} "
+                            f"tokens > S={s}, the logical ceiling (§3.2)")
+    return prompt_tokens, max_output_tokens, total
 
 
 def one_of(name: str, value: Any, allowed: Sequence[str]) -> str:

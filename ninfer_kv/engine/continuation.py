@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
 from ninfer_kv.engine import round_kernels as rk
-from ninfer_kv.engine.args import as_int, metadata_room, one_of
+from ninfer_kv.engine.args import as_int, metadata_room, one_of, token_budget
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState, new_ids
@@ -66,8 +66,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     checkpoint's metadata in the same record (a preempted request resumed, §10)."""
     st = store.state
     checkpoint = as_int("checkpoint", checkpoint)
-    prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
-    max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
+    prompt_tokens, max_output_tokens, total = token_budget(prompt_tokens, max_output_tokens,
+                                                           store.plan.S)
     one_of("mode", mode, ("auto", "move", "fork"))
     for name, flag in (("keep_source", keep_source), ("carry_metadata", carry_metadata)):
         if not isinstance(flag, bool):
@@ -85,13 +85,6 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     else:
         f0 = as_int("frontier", frontier, lo=0)
         frontiers = dict.fromkeys(names, f0)
-    total = prompt_tokens + max_output_tokens
-    if total <= 0:
-        raise FrontierError(f"prompt_tokens={prompt_tokens} + max_output_tokens="
-                            f"{max_output_tokens}: need a positive budget")
-    if total > store.plan.S:
-        raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} > "
-                            f"S={store.plan.S} (§3.2)")
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
     dst = new_ids(st)
     plans: list[_Plan] = []

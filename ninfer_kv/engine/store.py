@@ -26,7 +26,7 @@ import torch
 
 from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_int, as_ints, metadata_room, one_pair
+from ninfer_kv.engine.args import as_int, as_ints, metadata_room, one_pair, token_budget
 from ninfer_kv.engine.command import command
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
@@ -38,7 +38,6 @@ from ninfer_kv.engine.state import digest, new_ids
 from ninfer_kv.engine.views import PagedKVBatchLayerView, PagedKVLayerView
 from ninfer_kv.errors import (
     CapacityExhausted,
-    FrontierError,
     InvalidArgument,
     StaleHandle,
     StoreClosed,
@@ -121,15 +120,8 @@ class KVStore(StoreCore):
     def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:
         """Activate a new sequence from root; returns its id (the bundle id)."""
         self._usable("activate")
-        prompt_tokens = as_int("prompt_tokens", prompt_tokens, lo=0)
-        max_output_tokens = as_int("max_output_tokens", max_output_tokens, lo=0)
-        total = prompt_tokens + max_output_tokens
-        if total <= 0:
-            raise FrontierError(f"prompt_tokens={prompt_tokens}, max_output_tokens="
-                                f"{max_output_tokens}: need non-negative sizes and a positive sum")
-        if total > self.plan.S:
-            raise FrontierError(f"prompt {prompt_tokens} + output {max_output_tokens} = {total} "
-                                f"tokens > S={self.plan.S}, the logical ceiling (§3.2)")
+        prompt_tokens, max_output_tokens, total = token_budget(prompt_tokens,
+                                                               max_output_tokens, self.plan.S)
         # ids before capacity: an engine that evicts on CapacityExhausted and retries would
         # evict for nothing once the ids are gone
         bundle = new_ids(self.state)
