@@ -40,6 +40,15 @@ def main() -> None:
         h2d = total / best_of(lambda ids=ids: unpack_pages(planes, g.order, host, ids)) / 1e9
         print(f"{name:10s} ids ({runs(ids):5d} runs for {a.pages} pages): D2H {d2h:5.1f} GB/s "
               f"= {d2h / mem:4.0%} of memcpy, H2D {h2d:5.1f} GB/s = {h2d / mem:4.0%}")
+    # a restore of one host extent: one call for the run (engine/host.py restore_pages) vs
+    # one call per page (what restore_pages did before 2026-12-03)
+    n = min(64, a.pages)
+    ids = list(range(n))
+    one = best_of(lambda: unpack_pages(planes, g.order, host[:n], ids))
+    per_page = best_of(lambda: [unpack_pages(planes, g.order, host[i:i + 1], [i])
+                                for i in range(n)])
+    print(f"restore of {n} pages from one extent: one call {one * 1e3:6.2f} ms, one call per "
+          f"page {per_page * 1e3:6.2f} ms ({per_page / one:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,17 @@ def runs(ids: list[int]) -> int:
     return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
 
 
+def extent_runs(offsets: list[int], page_bytes: int) -> list[tuple[int, int]]:
+    """``[start, end)`` index ranges of ``offsets`` whose host pages lie back to back in the
+    arena: each is one ``[n, page_bytes]`` view, one pack or unpack call."""
+    out, start = [], 0
+    for i in range(1, len(offsets) + 1):
+        if i == len(offsets) or offsets[i] != offsets[i - 1] + page_bytes:
+            out.append((start, i))
+            start = i
+    return out
+
+
 def copy_out(store: Txn, tr: Transfer) -> tuple[list[int], list[int], list[int]]:
     """Run one queued D2H copy into the arena, coalesced into runs of host-contiguous
     offsets (one pack per run), zero each page's uncommitted columns and checksum it.
@@ -237,15 +248,12 @@ def copy_out(store: Txn, tr: Transfer) -> tuple[list[int], list[int], list[int]]
     order = store.device.pools[tr.pool].geometry.order
     pages = [p.pages[s] for s in tr.slots]
     dev_ids = [pg.device for pg in pages]  # type: ignore[union-attr]
-    start = 0
-    for i in range(1, len(tr.offsets) + 1):
-        if i == len(tr.offsets) or tr.offsets[i] != tr.offsets[i - 1] + pb:
-            dst = arena.pages(tr.offsets[start], i - start, pb)
-            if planes:
-                pack_pages(planes, order, dev_ids[start:i], dst)
-            else:  # a store without KV planes holds no bytes: its replicas are zeros, never
-                dst.zero_()  # what the arena held before (a CRC of that made runs differ)
-            start = i
+    for start, end in extent_runs(tr.offsets, pb):
+        dst = arena.pages(tr.offsets[start], end - start, pb)
+        if planes:
+            pack_pages(planes, order, dev_ids[start:end], dst)
+        else:  # a store without KV planes holds no bytes: its replicas are zeros, never
+            dst.zero_()  # what the arena held before (a CRC of that made runs differ)
     store.stats["d2h_pages"] += len(dev_ids)
     store.stats["d2h_runs"] += runs(dev_ids)
     if planes and planes[0].is_cuda:
@@ -288,7 +296,11 @@ def drops_after_publish(store: Txn, transfers: list[Transfer]) -> list[ev.Device
 
 
 def restore_pages(store: Txn, restores: list[ev.DeviceRestore]) -> None:
-    """H2D for DeviceRestore events: unpack host pages into their new device page groups."""
+    """H2D for DeviceRestore events: unpack host pages into their new device page groups —
+    one ``unpack_pages`` (one kernel call per plane) per run of pages whose host replicas
+    lie back to back in the arena: a checkpoint offloaded in one transfer is one run, where
+    a call per page made a 64-page swap-in 64 calls per plane. An event's device pages are
+    distinct and its host pages only read, so the runs are independent."""
     from ninfer_kv.kernels.copy import unpack_pages
 
     st = store.state
@@ -300,12 +312,16 @@ def restore_pages(store: Txn, restores: list[ev.DeviceRestore]) -> None:
         pb = _page_bytes(st, r.pool)
         order = store.device.pools[r.pool].geometry.order
         p = st.pools[r.pool]
-        for slot, dev in zip(ev.unpack(r.slots).tolist(), ev.unpack(r.pages).tolist(),
-                             strict=True):
+        devs = ev.unpack(r.pages).tolist()
+        offsets = []
+        for slot in ev.unpack(r.slots).tolist():
             pg = p.pages[slot]
             assert pg is not None and pg.host is not None
-            unpack_pages(planes, order, arena.pages(pg.host[0], 1, pb), [dev])
-        store.stats["h2d_pages"] += len(ev.unpack(r.pages))
+            offsets.append(pg.host[0])
+        for start, end in extent_runs(offsets, pb):
+            unpack_pages(planes, order, arena.pages(offsets[start], end - start, pb),
+                         devs[start:end])
+        store.stats["h2d_pages"] += len(devs)
 
 
 def verify_checkpoint(store: Txn, bundle: int) -> str | None:
