@@ -18,7 +18,8 @@ import msgspec
 import structlog
 
 from ninfer_kv.errors import JournalCorrupt, JournalError, UnappliableRecord
-from ninfer_kv.journal.events import CODEC, EventCodec, to_jsonable
+from ninfer_kv.journal.events import CODEC, EventCodec
+from ninfer_kv.journal.export import to_jsonable
 from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, cannot_read
 from ninfer_kv.journal.recovery import (
     ScanResult,

@@ -19,6 +19,7 @@ from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.export import to_jsonable
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay, replay_start
 from ninfer_kv.replay.core import applying
@@ -134,7 +135,7 @@ def state_at(directory: str, at: int | None, page: tuple[str, int] | None = None
         for i, e in enumerate(events):
             with applying(seq, i, e):
                 if page is not None and _touches(st, e, *page):
-                    history.append({"record": seq, "event_index": i, **ev.to_jsonable(e)})
+                    history.append({"record": seq, "event_index": i, **to_jsonable(e)})
                 apply(st, e)
         st.seq = seq
     return st, history, [str(c) for c in reader.scan.cuts]

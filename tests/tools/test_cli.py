@@ -13,16 +13,8 @@ from structlog.testing import capture_logs
 
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import JournalError
-from ninfer_kv.journal.events import (
-    CODEC,
-    OPAQUE_FIELDS,
-    PACKED_FIELDS,
-    CommitFrontiers,
-    Event,
-    metadata_jsonable,
-    pack,
-    unpack,
-)
+from ninfer_kv.journal.events import CODEC, CommitFrontiers, Event, pack, unpack
+from ninfer_kv.journal.export import OPAQUE_FIELDS, PACKED_FIELDS, metadata_jsonable
 from ninfer_kv.journal.log import Journal, JournalOptions
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import diff, replay
