@@ -6,10 +6,13 @@ row or ``paged_prefill_varlen``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import InvalidArgument
+from ninfer_kv.integrations.hf_served import refuse, unserved_call, unserved_layers
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode
 from ninfer_kv.kernels.prefill import paged_prefill_varlen
@@ -19,10 +22,11 @@ class Unit:
     """One forward's plan: the real tokens of each row, flattened in row order."""
 
     def __init__(self, rows: torch.Tensor, real: torch.Tensor, flat_rows: torch.Tensor,
-                 positions: torch.Tensor, cu: torch.Tensor, end: torch.Tensor,
-                 active: torch.Tensor, ctx: torch.Tensor) -> None:
+                 positions: torch.Tensor, cu: torch.Tensor, start: torch.Tensor,
+                 end: torch.Tensor, active: torch.Tensor, ctx: torch.Tensor) -> None:
         self.rows, self.real, self.flat_rows, self.positions = rows, real, flat_rows, positions
-        self.cu, self.end, self.active = cu, end, active  # end: on the host (bookkeeping)
+        self.cu, self.active = cu, active
+        self.start, self.end = start, end  # each row's frontier before and after (host)
         self.ctx = ctx  # the active rows' context lengths, for the kernels
 
     @classmethod
@@ -37,7 +41,7 @@ class Unit:
         cu[1:] = counts[active].cumsum(0)
         dev = rows.device  # the kernels take their index tensors on the planes' device
         return cls(rows, real, rows[row_of.to(dev)],
-                   (start[row_of] + within).to(torch.int32).to(dev), cu.to(dev), end,
+                   (start[row_of] + within).to(torch.int32).to(dev), cu.to(dev), start, end,
                    active.to(dev), end[active].to(torch.int32).to(dev))
 
     def attend(self, store: KVStore, pool: str, layer: int, query: torch.Tensor,
@@ -58,3 +62,32 @@ class Unit:
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         out[real] = o.to(query.dtype)
         return out
+
+
+def checked_unit(cache: Any, module: torch.nn.Module, layer: int,  # noqa: ANN401
+                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float,
+                 kwargs: dict[str, Any]) -> Unit:
+    """The forward's unit for ``layer`` of a ``NinferKVCache`` (layer 0 begins it), after every
+    refusal of what the attention does not serve (the caller rolls the cache back on one)."""
+    max_context = cache.store.config.serving.max_context
+    refuse("ninfer_kv attention", unserved_call(module, query, key, value, dropout, kwargs,
+                                                max_context))
+    if layer == 0:  # the model's layers, before the first one admits rows
+        refuse("ninfer_kv attention", unserved_layers(getattr(module, "config", None),
+                                                      max_context))
+    n_layers = len(cache.layers)
+    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", n_layers)
+    if model_layers != n_layers:  # the unit completes after the last layer: it must be ours
+        raise InvalidArgument(f"ninfer_kv attention: the model has {model_layers} layers, pool "
+                              f"{cache.pool} of the store {n_layers}")
+    unit = cache._unit
+    if layer == 0:
+        if unit is not None:
+            raise InvalidArgument("ninfer_kv attention: layer 0 again before the last layer of "
+                                  "the previous forward; call cache.abort() after a failed "
+                                  "forward")
+        return cache._begin(query, attention_mask)
+    if unit is None:
+        raise InvalidArgument(f"ninfer_kv attention: layer {layer} before layer 0")
+    return unit

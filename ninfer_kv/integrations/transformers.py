@@ -43,9 +43,15 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import EntitlementExceeded, InvalidArgument, UnsupportedOperation
-from ninfer_kv.integrations.hf_served import refuse, store_config_for, unserved_call, unserved_layers
+from ninfer_kv.errors import (
+    EntitlementExceeded,
+    InvalidArgument,
+    KVStoreError,
+    UnsupportedOperation,
+)
+from ninfer_kv.integrations.hf_served import store_config_for
 from ninfer_kv.integrations.hf_unit import Unit as _Unit
+from ninfer_kv.integrations.hf_unit import checked_unit
 
 __all__ = ["ATTN_IMPLEMENTATION", "NinferKVCache", "ninfer_kv_attention", "register",
            "store_config_for"]
@@ -162,8 +168,9 @@ class NinferKVCache(Cache):
         self.seqs: list[int] = []
         self._budget: list[int] = []   # per row: most tokens it may hold (prompt + output)
         self._unit: _Unit | None = None
-        # (unit, column count before it) from _end's first line to its last: abort asks the
-        # store whether the unit's commit happened
+        # (unit, column count before it) from _end's first line until the next forward
+        # begins (its layer 0 update): the unit's commit happens at the last attention layer,
+        # before the model's last projections and head, so abort undoes it until then
         self._ending: tuple[_Unit, int] | None = None
         self._layer = -1
         self._key: torch.Tensor | None = None
@@ -175,6 +182,8 @@ class NinferKVCache(Cache):
     # --- transformers' Cache API ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0 and self._unit is None:
+            self._ending = None       # a new forward: the last one ran to its end
         if self._key is not None:  # the last update's K/V never reached our attention
             layer, self._key = self._layer, None
             raise InvalidArgument(
@@ -218,6 +227,7 @@ class NinferKVCache(Cache):
     def finish(self, retain: bool = False) -> list[int | None]:
         """Finish every row's sequence (§10); with ``retain`` each becomes an immutable
         checkpoint, returned in row order, that ``prefix=`` can continue later."""
+        self._ending = None  # the last forward's commit stays (abort would undo it)
         self.abort()
         out = [self.store.finish(s, retain=retain) for s in self.seqs]
         self.seqs = []
@@ -227,13 +237,14 @@ class NinferKVCache(Cache):
         return out
 
     def abort(self) -> None:
-        """After a forward raised (an exception in the model, an interrupt): complete its unit
-        without commit (the store unfreezes; columns written above the frontiers are not
-        committed, §8.4) and make transformers' column counts agree with the store again —
-        rolled back, unless the store had committed the forward's tokens already (an
-        interrupt at its very end). ``get_seq_length()`` then says where the next forward
-        continues; feeding the step again after such a commit would write its tokens' K/V a
-        second time."""
+        """After a forward raised (an exception in the model, an interrupt) — anywhere, also
+        after its last attention layer (its output projection, the head): undo it. Its unit
+        completes without commit (the store unfreezes; columns written above the frontiers
+        are not committed, §8.4); if the last attention layer had committed the forward's
+        tokens already, they are truncated back (§8.2). Transformers' column counts then
+        agree with the store: ``get_seq_length()`` says where the next forward continues,
+        and the failed step is fed again. Call it only after a failure: after a forward that
+        returned, it undoes that forward too (until the next one begins)."""
         ending, self._ending = self._ending, None
         self._key = None
         if self._unit is not None or ending is not None:
@@ -242,11 +253,28 @@ class NinferKVCache(Cache):
             _closed(self)
         if ending is not None:
             unit, before = ending
-            committed = self.store.failed is None and bool(unit.real.any()) and \
-                self.frontiers() == unit.end.tolist()
-            self._seen_before = self.layers[0].seen if committed else before
+            try:
+                committed = self.store.failed is None and bool(unit.real.any()) and \
+                    self.frontiers() == unit.end.tolist()
+            except KVStoreError:  # its rows were finished through the store meanwhile
+                committed = False
+            self._seen_before = before if not committed or self._uncommit(unit) \
+                else self.layers[0].seen
         for layer in self.layers:
             layer.seen = self._seen_before
+
+    def _uncommit(self, unit: _Unit) -> bool:
+        """Truncate each row back to where ``unit`` started; False (the commit kept) when the
+        store refuses (a retained or shared prefix now protects those columns)."""
+        try:
+            for seq, start, end in zip(self.seqs, unit.start.tolist(), unit.end.tolist(),
+                                       strict=True):
+                if end > start:
+                    self.store.truncate(seq, self.pool, start)
+        except KVStoreError as exc:
+            log.warning("hf_abort_kept_commit", reason=str(exc))
+            return False
+        return True
 
     def frontiers(self) -> list[int]:
         """Committed tokens of each row's sequence (real tokens; padding excluded)."""
@@ -332,7 +360,6 @@ class NinferKVCache(Cache):
         _closed(self)
         self.store.commit_many(self.pool, self.seqs, unit.end.tolist())
         self._seen_before = self.layers[0].seen
-        self._ending = None
 
 
 def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -345,8 +372,10 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     cache = _CURRENT.get()
     layer = getattr(module, "layer_idx", None)
     if cache is None or layer != cache._layer or key is not cache._key:
-        if cache is not None and layer == cache._layer and cache._key is not None:
-            cache._key = None
+        changed = cache is not None and layer == cache._layer and cache._key is not None
+        if cache is not None:  # a refusal leaves its column counts as before this forward
+            cache.abort()
+        if changed:
             raise UnsupportedOperation(
                 f"ninfer_kv attention (layer {layer}): the key is not the one the model gave "
                 "NinferKVCache.update: a model that changes K/V after the cache (e.g. "
@@ -355,32 +384,14 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                               "this layer in this forward; pass cache=NinferKVCache(store) to the "
                               "model")
     cache._key = None                 # one attention call per update
-    max_context = cache.store.config.serving.max_context
-    refuse("ninfer_kv attention", unserved_call(module, query, key, value, dropout, kwargs,
-                                                max_context))
-    if layer == 0:  # the model's layers, before the first one admits rows
-        refuse("ninfer_kv attention", unserved_layers(getattr(module, "config", None),
-                                                      max_context))
-    n_layers = len(cache.layers)
-    unit = cache._unit
-    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", n_layers)
-    if model_layers != n_layers:  # the unit completes after the last layer: it must be ours
-        raise InvalidArgument(f"ninfer_kv attention: the model has {model_layers} layers, pool "
-                              f"{cache.pool} of the store {n_layers}")
-    if layer == 0:
-        if unit is not None:
-            raise InvalidArgument("ninfer_kv attention: layer 0 again before the last layer of "
-                                  "the previous forward; call cache.abort() after a failed "
-                                  "forward")
-        unit = cache._begin(query, attention_mask)
-    elif unit is None:
-        raise InvalidArgument(f"ninfer_kv attention: layer {layer} before layer 0")
-    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    try:
+    try:  # a refusal rolls the cache back: update() counted this forward's columns already
+        unit = checked_unit(cache, module, layer, query, key, value, attention_mask, dropout,
+                            kwargs)
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
         out = unit.attend(cache.store, cache.pool, layer, query, key, value, scale)
     except BaseException:
         cache.abort()
         raise
-    if layer == n_layers - 1:
+    if layer == len(cache.layers) - 1:
         cache._end(unit)
     return out, None

@@ -213,3 +213,59 @@ def test_a_failed_forward_whose_cache_was_dropped_does_not_freeze_the_store() ->
     other.finish()
     assert store.active() == []
     store.check_invariants()
+
+
+def _generate(model: Any, cache: NinferKVCache, ids: torch.Tensor = IDS) -> torch.Tensor:  # noqa: ANN401
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
+
+
+def test_a_refusal_in_the_attention_leaves_the_cache_as_before_the_forward() -> None:
+    """Review finding: ``output_attentions`` (or autograd) refused at layer 0 after
+    ``update()`` had counted the forward's columns: the cache said 8 columns with no row
+    admitted, and the next ``generate`` on it skipped 8 prompt tokens (other tokens, no
+    error). Every refusal in the attention now rolls the cache back."""
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=128, max_concurrency=2))
+    clean = _generate(model, NinferKVCache(store))
+    cache = NinferKVCache(store)
+    with torch.no_grad(), pytest.raises(UnsupportedOperation):
+        model(IDS[:, :8], cache=cache, output_attentions=True)
+    with pytest.raises(UnsupportedOperation):
+        model(IDS[:, :8], cache=cache)                         # autograd on
+    assert cache.get_seq_length() == 0 and cache.seqs == []
+    assert torch.equal(_generate(model, cache), clean)
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_an_exception_after_the_last_attention_layer_is_undone_by_abort(fail_at: int) -> None:
+    """Review finding: the store commits a forward's tokens at its last attention layer; an
+    exception after it (the head, an out-of-memory there) left them committed, and
+    ``abort()`` kept them: the prefill's logits were lost and the same generate refused. Now
+    ``abort()`` truncates them back: the forward fed again gives a clean run's tokens."""
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=128, max_concurrency=2))
+    clean = _generate(model, NinferKVCache(store))
+    cache, calls = NinferKVCache(store), [0]
+
+    def head(*_: object) -> None:
+        calls[0] += 1
+        if calls[0] == fail_at:                                # the prefill, or a decode step
+            raise RuntimeError("simulated out of memory in lm_head")
+
+    hook = model.lm_head.register_forward_hook(head)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            _generate(model, cache)
+    finally:
+        hook.remove()
+    cache.abort()
+    done = 0 if fail_at == 1 else IDS.shape[1] + fail_at - 2  # the forwards before it
+    assert cache.get_seq_length() == done and cache.frontiers() == [done]
+    so_far = clean[:, :IDS.shape[1] + fail_at - 1]             # what the caller holds
+    with torch.no_grad():
+        out = model.generate(so_far, cache=cache, max_new_tokens=clean.shape[1] - so_far.shape[1],
+                             do_sample=False)
+    assert torch.equal(out, clean)
+    store.check_invariants()
