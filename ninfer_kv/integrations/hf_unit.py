@@ -81,6 +81,12 @@ def checked_unit(cache: Any, module: torch.nn.Module, layer: int,  # noqa: ANN40
     if model_layers != n_layers:  # the unit completes after the last layer: it must be ours
         raise InvalidArgument(f"ninfer_kv attention: the model has {model_layers} layers, pool "
                               f"{cache.pool} of the store {n_layers}")
+    g = cache.store.device.pools[cache.pool].geometry
+    if key.dim() != 4 or (key.shape[1], key.shape[3]) != (g.num_kv_heads, g.head_dim):
+        raise InvalidArgument(f"ninfer_kv attention: K/V of {tuple(key.shape)} [B, Hkv, T, D], "
+                              f"pool {cache.pool} of the store holds {g.num_kv_heads} KV heads "
+                              f"of {g.head_dim} (a store built for another model: "
+                              "store_config_for(model.config))")
     unit = cache._unit
     if layer == 0:
         if unit is not None:

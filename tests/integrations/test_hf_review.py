@@ -269,3 +269,18 @@ def test_an_exception_after_the_last_attention_layer_is_undone_by_abort(fail_at:
                              do_sample=False)
     assert torch.equal(out, clean)
     store.check_invariants()
+
+
+def test_a_store_of_another_geometry_is_refused_before_a_row_is_admitted() -> None:
+    """Review note: a model whose KV heads or head dim differ from the store's was refused
+    typed, but by the append kernel, after its rows were admitted (left active)."""
+    model, _ = llama()
+    _, other = llama()
+    other = T.LlamaConfig(**{**other.to_dict(), "num_key_value_heads": 4})
+    store = KVStore.open(store_config_for(other, max_context=128, max_concurrency=2))
+    digest = store.digest()
+    cache = NinferKVCache(store)
+    with torch.no_grad(), pytest.raises(InvalidArgument, match="holds 4 KV heads of 32"):
+        model(IDS, cache=cache)
+    assert cache.get_seq_length() == 0 and cache.seqs == []
+    untouched(store, digest)
