@@ -51,7 +51,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.integrations.hf_served import store_config_for
 from ninfer_kv.integrations.hf_unit import Unit as _Unit
-from ninfer_kv.integrations.hf_unit import checked_unit
+from ninfer_kv.integrations.hf_unit import checked_unit, refused_truncation
 
 __all__ = ["ATTN_IMPLEMENTATION", "NinferKVCache", "ninfer_kv_attention", "register",
            "store_config_for"]
@@ -264,16 +264,16 @@ class NinferKVCache(Cache):
             layer.seen = self._seen_before
 
     def _uncommit(self, unit: _Unit) -> bool:
-        """Truncate each row back to where ``unit`` started; False (the commit kept) when the
-        store refuses (a retained or shared prefix now protects those columns)."""
-        try:
-            for seq, start, end in zip(self.seqs, unit.start.tolist(), unit.end.tolist(),
-                                       strict=True):
-                if end > start:
-                    self.store.truncate(seq, self.pool, start)
-        except KVStoreError as exc:
-            log.warning("hf_abort_kept_commit", reason=str(exc))
+        """Truncate each row back to where ``unit`` started; False (the commit kept, every
+        row) when the store would refuse one (a retained or shared prefix protects it now)."""
+        rows = [(s, a) for s, a, b in zip(self.seqs, unit.start.tolist(), unit.end.tolist(),
+                                          strict=True) if b > a]
+        why = refused_truncation(self.store, self.pool, rows)
+        if why is not None:
+            log.warning("hf_abort_kept_commit", reason=why)
             return False
+        for seq, start in rows:
+            self.store.truncate(seq, self.pool, start)
         return True
 
     def frontiers(self) -> list[int]:

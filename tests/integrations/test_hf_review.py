@@ -284,3 +284,19 @@ def test_a_store_of_another_geometry_is_refused_before_a_row_is_admitted() -> No
         model(IDS, cache=cache)
     assert cache.get_seq_length() == 0 and cache.seqs == []
     untouched(store, digest)
+
+
+def test_abort_keeps_a_commit_the_store_would_not_truncate_for_every_row() -> None:
+    """``abort()`` truncates the last forward's tokens back only when every row may be: here
+    a prefix shared after the forward protects one row's columns, so both keep the commit
+    and the cache's column count stays the store's (rows never left apart)."""
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=128, max_concurrency=4))
+    ids = torch.randint(1, 96, (2, 70), generator=torch.Generator().manual_seed(2))
+    cache = NinferKVCache(store)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    store.share_prefix(cache.seqs[1])                      # protects its first page
+    cache.abort()                                          # as after a failure in the head
+    assert cache.get_seq_length() == 70 and cache.frontiers() == [70, 70]
+    store.check_invariants()
