@@ -372,10 +372,10 @@ def ninfer_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     cache = _CURRENT.get()
     layer = getattr(module, "layer_idx", None)
     if cache is None or layer != cache._layer or key is not cache._key:
-        changed = cache is not None and layer == cache._layer and cache._key is not None
-        if cache is not None:  # a refusal leaves its column counts as before this forward
-            cache.abort()
-        if changed:
+        pending = cache is not None and cache._key is not None  # this forward updated it
+        if pending:  # a refusal leaves its column counts as before this forward (a stale
+            cache.abort()  # cache, last used by an earlier forward, is left alone)
+        if pending and layer == cache._layer:
             raise UnsupportedOperation(
                 f"ninfer_kv attention (layer {layer}): the key is not the one the model gave "
                 "NinferKVCache.update: a model that changes K/V after the cache (e.g. "

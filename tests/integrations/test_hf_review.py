@@ -300,3 +300,22 @@ def test_abort_keeps_a_commit_the_store_would_not_truncate_for_every_row() -> No
     cache.abort()                                          # as after a failure in the head
     assert cache.get_seq_length() == 70 and cache.frontiers() == [70, 70]
     store.check_invariants()
+
+
+def test_a_forward_without_a_cache_leaves_the_last_used_one_alone() -> None:
+    """A forward without a cache finds the last-used cache in a stale context variable and
+    is refused; that cache's last forward (undoable by ``abort()`` until its next one) must
+    not be undone by the refusal: it continues as if nothing happened."""
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=128, max_concurrency=2))
+    clean = _generate(model, NinferKVCache(store))
+    cache = NinferKVCache(store)
+    with torch.no_grad():
+        first = model.generate(IDS, cache=cache, max_new_tokens=3, do_sample=False)
+        n, front = cache.get_seq_length(), cache.frontiers()
+        with pytest.raises(InvalidArgument, match="no NinferKVCache"):
+            model(IDS)                                     # no cache given
+        assert (cache.get_seq_length(), cache.frontiers()) == (n, front)
+        out = model.generate(first, cache=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, clean)
+    store.check_invariants()
