@@ -56,12 +56,23 @@ def recv_bytes(src: int, group: Any = None) -> bytes:
 
 
 def sender(peers: Sequence[int], group: Any = None) -> Callable[[bytes], None]:
-    """A ``send(message)`` that delivers to every rank of ``peers``, in order."""
+    """A ``send(message)`` that delivers to every rank of ``peers``, in order. A rank whose
+    send fails does not keep the message from the ranks after it (a review found a dead rank
+    early in the list hiding the leader's FAILED message from every later one, which then
+    waited for the group's timeout): every rank is tried, then the failure is raised."""
     ranks = [as_int("peer", p, lo=0) for p in peers]
 
     def send(message: bytes) -> None:
+        failed: list[tuple[int, Exception]] = []
         for r in ranks:
-            send_bytes(message, r, group)
+            try:
+                send_bytes(message, r, group)
+            except Exception as exc:  # noqa: BLE001 - the link: the next rank still gets it
+                failed.append((r, exc))
+        if failed:
+            r, exc = failed[0]
+            raise DistError(f"send to ranks {[x for x, _ in failed]} failed (rank {r}: "
+                            f"{type(exc).__name__}: {exc})") from exc
     return send
 
 

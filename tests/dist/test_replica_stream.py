@@ -126,6 +126,40 @@ def test_a_failed_send_stops_the_stream_and_tells_who_it_can(pair) -> None:  # n
         pass
 
 
+def test_a_dead_rank_first_in_the_list_hides_nothing_from_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review repro: ``wire.sender`` gave up at the first rank whose send failed, and the
+    leader's FAILED message went through the same send: with rank 1 dead, rank 2 got neither
+    the boundary nor FAILED and waited in recv for the group's timeout. Every rank is tried
+    now; rank 2 applies the boundary and learns that the stream stopped."""
+    from ninfer_kv.dist import wire
+
+    inbox: dict[int, list[bytes]] = {1: [], 2: []}
+    dead = {1: False}
+
+    def send_bytes(data: bytes, dst: int, group: object = None) -> None:
+        if dead.get(dst):
+            raise RuntimeError(f"connection reset by rank {dst}")
+        inbox[dst].append(bytes(data))
+
+    monkeypatch.setattr(wire, "send_bytes", send_bytes)
+    cfg = shard_config(w.config(), 2)
+    store = KVStore.open(cfg)
+    leader = Leader(store, wire.sender([1, 2]))
+    follower = Follower.from_hello(cfg, inbox[2][0])
+    dead[1] = True
+    s = store.activate(20, 3)
+    store.ensure_mapped(s, "main", 20)
+    with pytest.raises(StreamBroken, match=r"send to ranks \[1\] failed"), leader.boundary():
+        pass
+    boundary, failed = inbox[2][1:]
+    follower.accept(boundary)
+    assert follower.store.digest() == store.digest()
+    with pytest.raises(ReplicaDiverged, match="the leader failed"):
+        follower.accept(failed)
+    store.close()
+
+
 def test_a_note_that_is_not_bytes_is_refused_before_anything_is_published(
         pair) -> None:  # noqa: ANN001
     store, leader, follower, sent = pair
