@@ -115,11 +115,13 @@ def _abort(store: KVStore, seq: int) -> None:
 
 
 def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
-             on_chunk: ChunkHook | None) -> tuple[int, int, str | None]:
+             on_chunk: ChunkHook | None, failed: BaseException | None = None
+             ) -> tuple[int, int, str | None]:
     """Receive every chunk (double buffered) into the sequence's pages (in place when they are
     consecutive, else through staging), verify each page's CRC. Returns (bytes, chunks, the
     first CRC mismatch or None); after a mismatch the rest is drained and nothing published
-    (the pages belong to the unpublished sequence, which the caller then frees)."""
+    (the pages belong to the unpublished sequence, which the caller then frees). ``failed``:
+    this side failed before the first chunk — drain them all, then raise it."""
     dev = wire_device(group)
     plan = []
     for n, _, k, pb, per in pools:
@@ -127,7 +129,7 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
                for s in store.space(seq, n).members]
         plan += [(n, a, ids[a:a + min(per, k - a)], pb) for a in range(0, k, per)]
     posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], bool, list[Any]]] = {}
-    failed: BaseException | None = None  # ours, not the wire's: drain, then raise it
+    # ``failed``: ours, not the wire's: drain, then raise it
 
     def post(ci: int) -> None:
         """Post chunk ``ci``'s receives: into its pages (or staging) while all is well, into
@@ -173,8 +175,8 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
     bad: str | None = None
     moved = 0
     # every chunk lands in its pages: post every receive now; else two at a time (staging)
-    ahead = len(plan) if all(in_place_views(store, n, ids, dev) is not None
-                             for n, _, ids, _ in plan) else 2
+    ahead = len(plan) if failed is None and all(in_place_views(store, n, ids, dev) is not None
+                                                for n, _, ids, _ in plan) else 2
     for ci in range(min(ahead, len(plan))):
         post(ci)
     for ci, (name, a, ids, pb) in enumerate(plan):
@@ -241,16 +243,26 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         raise TransferRefused(f"import from rank {src}: {type(exc).__name__}: {exc}") from exc
     try:
         _status(src, group, ok=True)
-        with store.boundary():  # tables published; the pages are this sequence's alone
+        boundary = store.boundary()  # tables published; the pages are this sequence's alone
+        try:
+            boundary.__enter__()
+        except BaseException as exc:  # the sender is sending already: keep the wire in step
+            _receive(store, seq, pools, src, group, None, failed=exc)  # drains, raises exc
+            raise
+        try:
             moved, chunks, bad = _receive(store, seq, pools, src, group, on_chunk)
+        finally:
+            boundary.__exit__(None, None, None)
     except BaseException as exc:
         _abort(store, seq)
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if not isinstance(exc, _WireError):  # every chunk arrived: the sender waits for this
             with contextlib.suppress(RuntimeError):
                 _status(src, group, ok=False, kind="aborted", error=why)
+        freed = ("every reserved page freed" if store.failed is None else
+                 "the store stopped (its reopen drops the reservation)")
         raise TransferAborted(f"import from rank {src} aborted mid-transfer, nothing published "
-                              f"and every reserved page freed: {why}") from exc
+                              f"and {freed}: {why}") from exc
     if bad is not None:
         _abort(store, seq)
         kind = "aborted" if bad.startswith("the sender aborted") else "corrupt"

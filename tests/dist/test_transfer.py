@@ -91,3 +91,48 @@ def test_a_transfer_between_fragmented_stores_goes_through_staging(tmp_path: Pat
         assert len(ids) >= 3 and all(y != x + 1 for x, y in zip(ids, ids[1:], strict=False))
     assert a["chunks"] >= 3  # two scattered pages per chunk: both staging slots reused
     assert b["crcs"] == a["crcs"] and b["violations"] == []
+
+
+def boundary_failure_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1's journal fails at the boundary that publishes the import's reserved pages:
+    after its "ready", before the first chunk. Each side records what it raised and when."""
+    import time
+
+    from ninfer_kv import KVStore
+    from ninfer_kv.dist import export, import_
+    from ninfer_kv.errors import JournalError
+
+    w.init(rank, port)
+    store = KVStore.open(w.config(journal_dir=f"{out}/journal{rank}"))
+    res = {}
+    ck = 0
+    if rank == 0:
+        ck = w.prefill(store, 128, seed=1)
+        with store.boundary():
+            pass
+    else:
+        def eio(*_: object, **__: object) -> int:
+            raise JournalError("write of record: [Errno 5] Input/output error")
+        store.journal.append = eio  # type: ignore[union-attr, method-assign]
+    t0 = time.monotonic()
+    try:
+        export(store, ck, 1) if rank == 0 else import_(store, 0)
+        res["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    res["seconds"] = time.monotonic() - t0
+    store.close()
+    w.dump(Path(out) / f"f{rank}.json", res)
+
+
+def test_a_receiver_failing_before_the_first_chunk_drains_and_answers(tmp_path: Path) -> None:
+    """Review repro: the receiver's boundary failed after it answered "ready", so nothing
+    received the sender's chunks and its "aborted" answer blocked too: both sides waited for
+    the group's timeout (30 s here, 30 minutes by default). It drains the chunks now and
+    answers; both abort promptly, the sender with the receiver's reason."""
+    assert w.launch(boundary_failure_worker, str(tmp_path)) == [0, 0]
+    a, b = load(tmp_path, "f0.json"), load(tmp_path, "f1.json")
+    assert b["error"].startswith("TransferAborted") and "StoreFailed" in b["error"], b
+    assert "the store stopped" in b["error"], b           # not "every reserved page freed"
+    assert a["error"].startswith("TransferAborted") and "StoreFailed" in a["error"], a
+    assert a["seconds"] < 20 and b["seconds"] < 20, (a, b)
