@@ -25,26 +25,26 @@ if TYPE_CHECKING:
 def batches(effects: Sequence[Any]) -> Iterator[ev.DeviceRestore | list[ev.CopyTail]]:
     """``effects`` in order: each ``DeviceRestore`` alone, the ``CopyTail`` events grouped
     into runs of one pool whose pages are independent (module docstring)."""
-    run: list[ev.CopyTail] = []
+    batch: list[ev.CopyTail] = []
     reads: set[int] = set()
     writes: set[int] = set()
     for e in effects:
         if type(e) is ev.CopyTail:
-            if run and (e.pool != run[0].pool or e.src_page in writes or e.page in writes
-                        or e.page in reads):
-                yield run
-                run, reads, writes = [], set(), set()
-            run.append(e)
+            if batch and (e.pool != batch[0].pool or e.src_page in writes or e.page in writes
+                          or e.page in reads):
+                yield batch
+                batch, reads, writes = [], set(), set()
+            batch.append(e)
             reads.add(e.src_page)
             writes.add(e.page)
             continue
         assert type(e) is ev.DeviceRestore, f"a device effect {type(e).__name__}"
-        if run:
-            yield run
-            run, reads, writes = [], set(), set()
+        if batch:
+            yield batch
+            batch, reads, writes = [], set(), set()
         yield e
-    if run:
-        yield run
+    if batch:
+        yield batch
 
 
 def run(store: Txn, effects: Sequence[Any]) -> None:

@@ -22,7 +22,7 @@ def to_jsonable(event: Any) -> dict[str, Any]:
         if isinstance(v, bytes):
             if name in OPAQUE_FIELDS:
                 v = metadata_jsonable(v)
-            else:  # every other bytes field is a packed array (tests/journal: each declared)
+            else:  # every other bytes field is a packed array (tests/tools/test_cli.py: each declared)
                 v = np.frombuffer(v, dtype=PACKED_FIELDS[name]).tolist()
         out[name] = v
     return out
