@@ -43,20 +43,33 @@ def side_codecs(storage: Any) -> tuple[int, int]:
     return CODEC_IDS[k.value], CODEC_IDS[v.value]
 
 
+@jit.njit(inline="always")
+def _append_item(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v, i):  # noqa: ANN001
+    """Token ``i // n_heads``, head ``i % n_heads``: encode its K and V row into its page."""
+    n_heads, d = k.shape[1], k.shape[2]
+    b = i // n_heads
+    h = i % n_heads
+    pos = positions[b]
+    if pos < 0 or (pos >> 6) >= tables.shape[1]:
+        return  # outside the row: never read another row's entries
+    g = tables[rows[b], pos >> 6]
+    if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
+        o = pos & 63
+        _ENC_CPU(k_codec, k[b, h], kc, ks, g, h, o, d)
+        _ENC_CPU(v_codec, v[b, h], vc, vs, g, h, o, d)
+
+
 @jit.njit(parallel=True)
 def _append_cpu(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v):  # noqa: ANN001
-    n_tok, n_heads, d = k.shape
-    for i in numba.prange(n_tok * n_heads):
-        b = i // n_heads
-        h = i % n_heads
-        pos = positions[b]
-        if pos < 0 or (pos >> 6) >= tables.shape[1]:
-            continue  # outside the row: never read another row's entries
-        g = tables[rows[b], pos >> 6]
-        if g >= 0:  # an unmapped entry (-1) is never written through (it would wrap)
-            o = pos & 63
-            _ENC_CPU(k_codec, k[b, h], kc, ks, g, h, o, d)
-            _ENC_CPU(v_codec, v[b, h], vc, vs, g, h, o, d)
+    for i in numba.prange(k.shape[0] * k.shape[1]):
+        _append_item(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v, i)
+
+
+@jit.njit(error_model="numpy")
+def _append_serial(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v):  # noqa: ANN001
+    """``_append_cpu`` on the calling thread (``jit.SERIAL_BELOW``)."""
+    for i in range(k.shape[0] * k.shape[1]):
+        _append_item(kc, ks, vc, vs, k_codec, v_codec, tables, rows, positions, k, v, i)
 
 
 @functools.cache
@@ -121,5 +134,7 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
     if use_cuda_kernels(kc, force_sim=force_cuda_sim):
         n = k.shape[0] * k.shape[1]
         launch(_append_cuda(), (max(1, -(-n // 64)),), 64, *args)
-    else:
+    elif jit.parallel(k.numel()):  # values encoded
         _append_cpu(*args)
+    else:
+        _append_serial(*args)

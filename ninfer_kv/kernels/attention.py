@@ -54,56 +54,74 @@ from ninfer_kv.kernels.checks import (
 _DQ_ROW = quant.for_target(quant.dq_row, cpu=True)
 
 
+@jit.njit(inline="always", fastmath=True)
+def _decode_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
+                 n_split, out_m, out_l, out_acc, item):
+    """Work item ``item``: row ``b``, KV head ``h``, split ``s`` of the context — its
+    partial softmax (max, sum, weighted V) for the heads of the GQA group."""
+    d = q.shape[2]
+    h_kv = kc.shape[1]
+    grp = q.shape[1] // h_kv
+    b = item // (h_kv * n_split)
+    rem = item % (h_kv * n_split)
+    h = rem // n_split
+    s = rem % n_split
+    ctx = ctx_lens[b]
+    chunk = (ctx + n_split - 1) // n_split
+    start = s * chunk
+    end = min(ctx, start + chunk)
+    kbuf = np.empty(d, np.float32)
+    vbuf = np.empty(d, np.float32)
+    qs = np.empty((grp, d), np.float32)
+    for j in range(grp):
+        for e in range(d):
+            qs[j, e] = q[b, h * grp + j, e] * sm_scale
+    m = np.full(grp, -np.inf, np.float32)
+    lsum = np.zeros(grp, np.float32)
+    acc = np.zeros((grp, d), np.float32)
+    row = rows[b]
+    pos = start
+    while pos < end:
+        g = tables[row, pos >> 6]          # one translation per page
+        page_end = min(end, ((pos >> 6) + 1) << 6)
+        for p in range(pos, page_end):
+            o = p & 63
+            _DQ_ROW(k_codec, kc, ks, g, h, o, d, kbuf)
+            _DQ_ROW(v_codec, vc, vs, g, h, o, d, vbuf)
+            for j in range(grp):
+                dot = np.float32(0.0)
+                for e in range(d):
+                    dot += qs[j, e] * kbuf[e]
+                m_new = max(m[j], dot)
+                corr = math.exp(m[j] - m_new)
+                pw = math.exp(dot - m_new)
+                lsum[j] = lsum[j] * corr + pw
+                for e in range(d):
+                    acc[j, e] = acc[j, e] * corr + pw * vbuf[e]
+                m[j] = m_new
+        pos = page_end
+    for j in range(grp):
+        out_m[b, h * grp + j, s] = m[j]
+        out_l[b, h * grp + j, s] = lsum[j]
+        for e in range(d):
+            out_acc[b, h * grp + j, s, e] = acc[j, e]
+
+
 @jit.njit(parallel=True, fastmath=True)
 def _decode_cpu(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
                 n_split, out_m, out_l, out_acc):
-    n_rows, hq, d = q.shape
-    h_kv = kc.shape[1]
-    grp = hq // h_kv
-    for item in numba.prange(n_rows * h_kv * n_split):
-        b = item // (h_kv * n_split)
-        rem = item % (h_kv * n_split)
-        h = rem // n_split
-        s = rem % n_split
-        ctx = ctx_lens[b]
-        chunk = (ctx + n_split - 1) // n_split
-        start = s * chunk
-        end = min(ctx, start + chunk)
-        kbuf = np.empty(d, np.float32)
-        vbuf = np.empty(d, np.float32)
-        qs = np.empty((grp, d), np.float32)
-        for j in range(grp):
-            for e in range(d):
-                qs[j, e] = q[b, h * grp + j, e] * sm_scale
-        m = np.full(grp, -np.inf, np.float32)
-        lsum = np.zeros(grp, np.float32)
-        acc = np.zeros((grp, d), np.float32)
-        row = rows[b]
-        pos = start
-        while pos < end:
-            g = tables[row, pos >> 6]          # one translation per page
-            page_end = min(end, ((pos >> 6) + 1) << 6)
-            for p in range(pos, page_end):
-                o = p & 63
-                _DQ_ROW(k_codec, kc, ks, g, h, o, d, kbuf)
-                _DQ_ROW(v_codec, vc, vs, g, h, o, d, vbuf)
-                for j in range(grp):
-                    dot = np.float32(0.0)
-                    for e in range(d):
-                        dot += qs[j, e] * kbuf[e]
-                    m_new = max(m[j], dot)
-                    corr = math.exp(m[j] - m_new)
-                    pw = math.exp(dot - m_new)
-                    lsum[j] = lsum[j] * corr + pw
-                    for e in range(d):
-                        acc[j, e] = acc[j, e] * corr + pw * vbuf[e]
-                    m[j] = m_new
-            pos = page_end
-        for j in range(grp):
-            out_m[b, h * grp + j, s] = m[j]
-            out_l[b, h * grp + j, s] = lsum[j]
-            for e in range(d):
-                out_acc[b, h * grp + j, s, e] = acc[j, e]
+    for item in numba.prange(q.shape[0] * kc.shape[1] * n_split):
+        _decode_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,
+                     n_split, out_m, out_l, out_acc, item)
+
+
+@jit.njit(fastmath=True, error_model="numpy")
+def _decode_serial(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,  # noqa: ANN001
+                   n_split, out_m, out_l, out_acc):
+    """``_decode_cpu`` on the calling thread (``jit.SERIAL_BELOW``)."""
+    for item in range(q.shape[0] * kc.shape[1] * n_split):
+        _decode_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, ctx_lens, sm_scale,
+                     n_split, out_m, out_l, out_acc, item)
 
 
 def heads_per_block(grp: int) -> int:
@@ -333,8 +351,10 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
         ng = heads_per_block(hq // h_kv)
         launch(_decode_cuda(d // 32, ng, k_id, v_id), (n_rows, h_kv * (hq // h_kv // ng), splits),
                THREADS, *args)
-    else:
+    elif jit.parallel(hq * d * int(context_lens.sum())):  # QK^T terms (and as many PV)
         _decode_cpu(*args)
+    else:
+        _decode_serial(*args)
     return _combine(out_m, out_l, out_acc).to(q.dtype)
 
 

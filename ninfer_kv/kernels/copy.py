@@ -48,19 +48,31 @@ def row_bytes(t: torch.Tensor) -> int:
     return t.shape[2] * t.shape[3] * t.element_size()
 
 
+@jit.njit(inline="always")
+def _copy_row(src, dst, src_ids, dst_ids, words, item):  # noqa: ANN001
+    """Row ``item`` of the copy: pair ``i``, outer ``o``, mid ``m``."""
+    outer, mid = src.shape[0], src.shape[2]
+    i = item // (outer * mid)
+    r = item % (outer * mid)
+    o = r // mid
+    m = r % mid
+    s, d = src_ids[i], dst_ids[i]
+    for w in range(words[i]):
+        dst[o, d, m, w] = src[o, s, m, w]
+
+
 @jit.njit(parallel=True)
 def _copy_cpu(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
     """``dst[o, dst_ids[i], m, :words[i]] = src[o, src_ids[i], m, :words[i]]``."""
-    n = src_ids.shape[0]
-    outer, mid = src.shape[0], src.shape[2]
-    for item in numba.prange(n * outer * mid):
-        i = item // (outer * mid)
-        r = item % (outer * mid)
-        o = r // mid
-        m = r % mid
-        s, d = src_ids[i], dst_ids[i]
-        for w in range(words[i]):
-            dst[o, d, m, w] = src[o, s, m, w]
+    for item in numba.prange(src_ids.shape[0] * src.shape[0] * src.shape[2]):
+        _copy_row(src, dst, src_ids, dst_ids, words, item)
+
+
+@jit.njit(error_model="numpy")
+def _copy_serial(src, dst, src_ids, dst_ids, words):  # noqa: ANN001
+    """``_copy_cpu`` on the calling thread (``jit.SERIAL_BELOW``)."""
+    for item in range(src_ids.shape[0] * src.shape[0] * src.shape[2]):
+        _copy_row(src, dst, src_ids, dst_ids, words, item)
 
 
 @functools.cache
@@ -130,8 +142,10 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: 
     if on_cuda:
         n_rows = n * src.shape[0] * src.shape[2]
         launch(_copy_cuda(), (max(1, min(65535, n_rows)),), block, *args)
-    else:
+    elif jit.parallel(n * src.shape[0] * src.shape[2] * src.shape[3]):  # words at most
         _copy_cpu(*args)
+    else:
+        _copy_serial(*args)
 
 
 def _n_pages(planes: Sequence[torch.Tensor], order: Any, who: str) -> int:

@@ -80,3 +80,37 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
         with _caching_here():
             return numba.njit(cache=True, **options)(fn)
     return decorate
+
+
+# --- serial below a grain of work ----------------------------------------------------------------
+SERIAL_BELOW = 1 << 18
+"""Work (element operations; each kernel wrapper states what it counts) below which a CPU
+kernel runs its serial twin on the calling thread instead of numba's parallel loop.
+
+A parallel region ends at a barrier that waits for every worker thread. On an idle machine
+that costs a few µs; when another process holds a core, a descheduled worker holds the
+barrier for a scheduler time slice. Measured here (2 cores, numba's ``omp`` layer), one
+128 KiB page copy: 3.2 µs serial, 6.4 µs parallel, 7,500 µs parallel beside two busy
+processes (serial: still 3.2). The parallel gain is at most the thread count, so below
+~2^18 element operations (0.1-1 ms of work) it does not pay for that risk; above, the
+region's fixed costs are small beside the work. torch's intra-op loops keep a grain size
+for the same reason."""
+
+_forced: bool | None = None
+
+
+def parallel(work: int) -> bool:
+    """Whether a kernel with ``work`` element operations runs its parallel loop."""
+    return work >= SERIAL_BELOW if _forced is None else _forced
+
+
+@contextlib.contextmanager
+def forcing(parallel: bool) -> Iterator[None]:
+    """Every kernel runs its parallel loop (True) or its serial twin (False) inside: for
+    ``warmup``, which compiles both, and for tests holding the two to the same output."""
+    global _forced
+    saved, _forced = _forced, parallel
+    try:
+        yield
+    finally:
+        _forced = saved

@@ -49,61 +49,78 @@ TILE = 16
 """Queries per CPU work item: each K/V row is dequantized once per tile."""
 
 
+@jit.njit(inline="always", fastmath=True)
+def _prefill_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, item_seq, item_q0,  # noqa: ANN001
+                  item_q1, q_start, q_count, ctx_lens, sm_scale, out, item):
+    """Work item ``item``: query tile ``item // h_kv`` (queries [q0, q1) of one sequence),
+    KV head ``item % h_kv`` — causal attention of the tile's queries of the GQA group."""
+    d = q.shape[2]
+    h_kv = kc.shape[1]
+    grp = q.shape[1] // h_kv
+    it = item // h_kv
+    h = item % h_kv
+    b = item_seq[it]
+    q0, q1 = item_q0[it], item_q1[it]          # global query indices [q0, q1)
+    nq = q1 - q0
+    first = ctx_lens[b] - q_count[b]           # position of the sequence's first query
+    kbuf = np.empty(d, np.float32)
+    vbuf = np.empty(d, np.float32)
+    qs = np.empty((nq, grp, d), np.float32)
+    lim = np.empty(nq, np.int64)               # query i sees positions < lim[i]
+    for i in range(nq):
+        lim[i] = first + (q0 + i - q_start[b]) + 1
+        for j in range(grp):
+            for e in range(d):
+                qs[i, j, e] = q[q0 + i, h * grp + j, e] * sm_scale
+    m = np.full((nq, grp), -np.inf, np.float32)
+    lsum = np.zeros((nq, grp), np.float32)
+    acc = np.zeros((nq, grp, d), np.float32)
+    row = rows[b]
+    end = lim[nq - 1]
+    pos = 0
+    while pos < end:
+        g = tables[row, pos >> 6]              # one translation per page
+        page_end = min(end, ((pos >> 6) + 1) << 6)
+        for p in range(pos, page_end):
+            o = p & 63
+            _DQ_ROW(k_codec, kc, ks, g, h, o, d, kbuf)
+            _DQ_ROW(v_codec, vc, vs, g, h, o, d, vbuf)
+            for i in range(nq):
+                if p >= lim[i]:
+                    continue
+                for j in range(grp):
+                    dot = np.float32(0.0)
+                    for e in range(d):
+                        dot += qs[i, j, e] * kbuf[e]
+                    m_new = max(m[i, j], dot)
+                    corr = math.exp(m[i, j] - m_new)
+                    pw = math.exp(dot - m_new)
+                    lsum[i, j] = lsum[i, j] * corr + pw
+                    for e in range(d):
+                        acc[i, j, e] = acc[i, j, e] * corr + pw * vbuf[e]
+                    m[i, j] = m_new
+        pos = page_end
+    for i in range(nq):
+        for j in range(grp):
+            for e in range(d):
+                out[q0 + i, h * grp + j, e] = acc[i, j, e] / lsum[i, j]
+
+
 @jit.njit(parallel=True, fastmath=True)
 def _prefill_cpu(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, item_seq, item_q0,  # noqa: ANN001
                  item_q1, q_start, q_count, ctx_lens, sm_scale, out):
-    total, hq, d = q.shape
-    h_kv = kc.shape[1]
-    grp = hq // h_kv
-    n_items = item_seq.shape[0]
-    for item in numba.prange(n_items * h_kv):
-        it = item // h_kv
-        h = item % h_kv
-        b = item_seq[it]
-        q0, q1 = item_q0[it], item_q1[it]          # global query indices [q0, q1)
-        nq = q1 - q0
-        first = ctx_lens[b] - q_count[b]           # position of the sequence's first query
-        kbuf = np.empty(d, np.float32)
-        vbuf = np.empty(d, np.float32)
-        qs = np.empty((nq, grp, d), np.float32)
-        lim = np.empty(nq, np.int64)               # query i sees positions < lim[i]
-        for i in range(nq):
-            lim[i] = first + (q0 + i - q_start[b]) + 1
-            for j in range(grp):
-                for e in range(d):
-                    qs[i, j, e] = q[q0 + i, h * grp + j, e] * sm_scale
-        m = np.full((nq, grp), -np.inf, np.float32)
-        lsum = np.zeros((nq, grp), np.float32)
-        acc = np.zeros((nq, grp, d), np.float32)
-        row = rows[b]
-        end = lim[nq - 1]
-        pos = 0
-        while pos < end:
-            g = tables[row, pos >> 6]              # one translation per page
-            page_end = min(end, ((pos >> 6) + 1) << 6)
-            for p in range(pos, page_end):
-                o = p & 63
-                _DQ_ROW(k_codec, kc, ks, g, h, o, d, kbuf)
-                _DQ_ROW(v_codec, vc, vs, g, h, o, d, vbuf)
-                for i in range(nq):
-                    if p >= lim[i]:
-                        continue
-                    for j in range(grp):
-                        dot = np.float32(0.0)
-                        for e in range(d):
-                            dot += qs[i, j, e] * kbuf[e]
-                        m_new = max(m[i, j], dot)
-                        corr = math.exp(m[i, j] - m_new)
-                        pw = math.exp(dot - m_new)
-                        lsum[i, j] = lsum[i, j] * corr + pw
-                        for e in range(d):
-                            acc[i, j, e] = acc[i, j, e] * corr + pw * vbuf[e]
-                        m[i, j] = m_new
-            pos = page_end
-        for i in range(nq):
-            for j in range(grp):
-                for e in range(d):
-                    out[q0 + i, h * grp + j, e] = acc[i, j, e] / lsum[i, j]
+    for item in numba.prange(item_seq.shape[0] * kc.shape[1]):
+        _prefill_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, item_seq, item_q0,
+                      item_q1, q_start, q_count, ctx_lens, sm_scale, out, item)
+
+
+@jit.njit(fastmath=True, error_model="numpy")
+def _prefill_serial(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, item_seq, item_q0,  # noqa: ANN001
+                    item_q1, q_start, q_count, ctx_lens, sm_scale, out):
+    """``_prefill_cpu`` on the calling thread (``jit.SERIAL_BELOW``)."""
+    for item in range(item_seq.shape[0] * kc.shape[1]):
+        _prefill_item(q, kc, ks, vc, vs, k_codec, v_codec, tables, rows, item_seq, item_q0,
+                      item_q1, q_start, q_count, ctx_lens, sm_scale, out, item)
 
 
 def _ragged(q: torch.Tensor, table_rows: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -188,8 +205,11 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                THREADS, *args)
         return out.to(q.dtype)
     idx = item.to(torch.int64).numpy()
-    _prefill_cpu(dev_view(q.float().contiguous()), dev_view(kc), dev_view(ks), dev_view(vc),
-                 dev_view(vs), k_id, v_id, dev_view(view.block_tables),
-                 table_rows.to(torch.int32).cpu().numpy(), idx[0], idx[1], idx[2],
-                 starts.numpy(), n.numpy(), ctx.numpy(), scale, out.numpy())
+    # work: QK^T terms (and as many PV) of every query against its causal context
+    work = hq * d * int((n * ctx).sum())
+    kernel = _prefill_cpu if jit.parallel(work) else _prefill_serial
+    kernel(dev_view(q.float().contiguous()), dev_view(kc), dev_view(ks), dev_view(vc),
+           dev_view(vs), k_id, v_id, dev_view(view.block_tables),
+           table_rows.to(torch.int32).cpu().numpy(), idx[0], idx[1], idx[2],
+           starts.numpy(), n.numpy(), ctx.numpy(), scale, out.numpy())
     return out.to(q.dtype)

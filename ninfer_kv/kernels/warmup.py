@@ -2,7 +2,8 @@
 
 ``warmup(profiles)`` runs ``append_kv``, ``paged_decode``, ``paged_prefill``,
 ``paged_prefill_varlen`` and a page copy once on a one-page store of each profile, and once
-on head-major planes (a DFlash draft pool's): the first
+on head-major planes (a DFlash draft pool's), each kernel's parallel loop and its serial twin
+(``jit.SERIAL_BELOW``): the first
 process on a machine compiles them (6-9 s per profile) and caches the machine code
 (kernels/jit.py); every later process loads it in a fraction of a second. An engine calls it
 before serving so no request waits for the JIT.
@@ -20,6 +21,7 @@ from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.layout import PlaneOrder, Profile
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.engine.views import PagedKVBatchLayerView
+from ninfer_kv.kernels import jit
 from ninfer_kv.kernels.append import append_kv
 from ninfer_kv.kernels.attention import paged_decode, paged_prefill
 from ninfer_kv.kernels.copy import copy_tail
@@ -77,9 +79,13 @@ def warmup(profiles: Iterable[Profile | str] = (Profile.BF16,)) -> dict[str, flo
     out: dict[str, float] = {}
     for p in profiles:
         t0 = time.perf_counter()
-        warm_profile(p)
+        for parallel in (True, False):  # both twins: small work runs serially (jit.py)
+            with jit.forcing(parallel):
+                warm_profile(p)
         out[Profile.parse(p).value] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    warm_head_major()
+    for parallel in (True, False):
+        with jit.forcing(parallel):
+            warm_head_major()
     out["head-major"] = time.perf_counter() - t0
     return out

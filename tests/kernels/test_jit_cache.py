@@ -22,7 +22,7 @@ from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.kernels import copy
 planes = [torch.zeros(2, 1, 64, 8, dtype=torch.uint8)]  # 2 pages, 1 head
 copy.copy_tail(planes, PlaneOrder.PAGE_MAJOR, 0, 1, 3)
-st = copy._copy_cpu.stats
+st = copy._copy_serial.stats  # a 3-column tail: small work, the serial twin (jit.py)
 print(json.dumps({"hits": sum(st.cache_hits.values()), "misses": sum(st.cache_misses.values()),
                   "path": st.cache_path}))
 """
@@ -95,20 +95,24 @@ def test_warmup_runs_every_kernel_of_a_profile() -> None:
     """In a fresh process (kernels compiled by other tests here would hide a gap). Review
     finding: head-major planes (a DFlash draft pool's) reach the kernels as non-contiguous
     arrays, which numba compiles apart ('A' layout): warmup left that compile (seconds) to
-    the first request. The attention and append kernels have both variants compiled."""
+    the first request. The attention and append kernels have both variants compiled, and
+    every kernel's serial twin too (the one small batches run)."""
     code = ("import json, ninfer_kv\n"
             "from ninfer_kv.kernels import append, attention, copy, prefill\n"
             "s = ninfer_kv.warmup(['bf16'])\n"
             "print(json.dumps([list(s), [sorted({a.layout for sig in k.signatures for a in sig"
             " if getattr(a, 'ndim', 0) == 4}) for k in "
             "(append._append_cpu, attention._decode_cpu, copy._copy_cpu, "
-            "prefill._prefill_cpu)]]))")
+            "prefill._prefill_cpu, append._append_serial, attention._decode_serial, "
+            "copy._copy_serial, prefill._prefill_serial)]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True)
-    profiles, (append, decode, copy, prefill) = json.loads(out.stdout.strip().splitlines()[-1])
+    profiles, layouts = json.loads(out.stdout.strip().splitlines()[-1])
     assert profiles == ["bf16", "head-major"]
-    assert append == decode == prefill == ["A", "C"], (append, decode, prefill)
-    assert copy == ["C"]  # the copies see every plane as dense [outer, page, mid, row] rows
+    # each kernel's parallel loop and its serial twin (small work runs serially: jit.py)
+    for append, decode, copy, prefill in (layouts[:4], layouts[4:]):
+        assert append == decode == prefill == ["A", "C"], (append, decode, prefill)
+        assert copy == ["C"]  # the copies see every plane as dense [outer, page, mid, row] rows
 
 
 def test_an_unwritable_cache_dir_never_falls_back_beside_the_sources(tmp_path: Path) -> None:

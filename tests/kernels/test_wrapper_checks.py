@@ -152,6 +152,7 @@ def test_an_empty_decode_batch_launches_nothing(bf16, sim: bool, monkeypatch) ->
 
     monkeypatch.setattr(att, "launch", no_launch)
     monkeypatch.setattr(att, "_decode_cpu", no_launch)
+    monkeypatch.setattr(att, "_decode_serial", no_launch)
     out = paged_decode(torch.randn(0, H, D), bf16, torch.zeros(0, dtype=torch.int32),
                        torch.zeros(0, dtype=torch.int64), force_cuda_sim=sim)
     assert out.shape == (0, H, D)
