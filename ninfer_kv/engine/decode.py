@@ -61,7 +61,7 @@ def writable(pg: LogicalKVPage, bundle: int, first_column: int) -> bool:
     queued copy reads it) and no surviving checkpoint protects a column at or above
     ``first_column``. commit_many checks it for a whole batch in
     ``round_kernels.check_commit``; this is the oracle tests/engine/test_round_kernels.py
-    holds the kernel to (truncate checks only the pin: termination.truncate says why)."""
+    holds the kernel to (truncate checks only the pin: termination.truncate_many says why)."""
     return pg.writer == bundle and pg.pins == 0 and pg.protected <= first_column
 
 

@@ -198,14 +198,16 @@ class KVStore(StoreCore):
         self._usable("trim")
         return termination.trim(self, self._pool(pool), self._space(bundle, pool, active=True))
 
-    @command
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
-        """Move the committed frontier back (not below the protected frontier), then trim
-        (engine/termination.py)."""
+        """Move the committed frontier back (not below the protected frontier), then trim."""
+        self.truncate_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
+
+    @command
+    def truncate_many(self, pool: str | PoolKind, bundles: Sequence[int] | np.ndarray,
+                      frontiers: Sequence[int] | np.ndarray) -> None:
+        """``truncate`` of each sequence, all or none (engine/termination.py)."""
         self._usable("truncate")
-        bundle, frontier = as_int("seq", bundle), as_int("frontier", frontier)
-        termination.truncate(self, self._pool(pool), self._space(bundle, pool, active=True),
-                             frontier)
+        termination.truncate_many(self, self._pool(pool), bundles, frontiers)
 
     # --- termination (§8.3) -----------------------------------------------------------------------
     @command

@@ -4,12 +4,15 @@ checkpoint. Commands over a ``Txn``: validate everything, then emit (``apply`` m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import finish_reason
-from ninfer_kv.engine.decode import why_not_writable
+from ninfer_kv.engine.args import as_ints, duplicated, finish_reason, same_length
+from ninfer_kv.engine.decode import lookup, why_not_writable
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import (
@@ -48,33 +51,46 @@ def trim(tx: Txn, p: PoolState, sp: KVAddressSpace) -> int:
     return n
 
 
-def truncate(tx: Txn, p: PoolState, sp: KVAddressSpace, frontier: int) -> None:
-    """Move the committed frontier of active space ``sp`` back to ``frontier`` (not below
-    the protected frontier), then trim. The tail page keeps its first ``frontier % P``
-    columns and the writer rewrites the rest: it must be writable at that column (§9.4) — a
-    page whose copy (D2H, COW) is still queued is pinned and refused, as commit refuses it."""
-    bundle = sp.bundle
-    if not sp.protected <= frontier <= sp.committed:
-        raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
-                            f"[protected={sp.protected}, committed={sp.committed}]")
-    if frontier % P and frontier < sp.committed:
-        # §9.4 on the tail page it rewrites: no pin (a queued D2H or COW copy reads it). No
-        # other holder's coverage needs a check: a page shared with a checkpoint or another
-        # sequence lies below the protected frontier, refused above. So the page is this
-        # sequence's alone — its writer, or one a Move handed over whole with no writer
-        # (§9.1), which Truncate's apply makes its writer (and asserts one reference).
-        if p.pages[sp.members[frontier // P]].pins:  # type: ignore[union-attr]
-            raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
-    keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
-    check_private(p, sp, keep)
-    events: list[Any] = [ev.Truncate(bundle, p.name, frontier)]
-    trimmed = keep < sp.nmem
-    if trimmed:
-        events.append(ev.Trim(bundle, p.name, keep))
+def truncate_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
+                  frontiers: Sequence[int] | np.ndarray) -> None:
+    """Move the committed frontier of each active space back to its ``frontier`` (not below
+    the protected frontier), then trim — every space or none: all are checked before any
+    event (a caller undoing a batched forward never leaves its rows apart). The tail page
+    keeps its first ``frontier % P`` columns and the writer rewrites the rest: it must be
+    writable at that column (§9.4) — a page whose copy (D2H, COW) is still queued is pinned
+    and refused, as commit refuses it; the pages dropped above must be private (``check_private``)."""
+    b, fs = as_ints("seqs", bundles), as_ints("frontiers", frontiers)
+    same_length(seqs=b, frontiers=fs)
+    if len(set(b)) != len(b):
+        raise InvalidArgument(f"seqs: {duplicated(np.array(b))} appear more than once in one "
+                              "batched command")
+    spaces = [lookup(p, x, active=True) for x in b]
+    events: list[Any] = []
+    trims: list[tuple[int, int]] = []
+    for sp, frontier in zip(spaces, fs, strict=True):
+        bundle = sp.bundle
+        if not sp.protected <= frontier <= sp.committed:
+            raise FrontierError(f"seq {bundle} pool {p.name}: truncate to {frontier} outside "
+                                f"[protected={sp.protected}, committed={sp.committed}]")
+        if frontier % P and frontier < sp.committed:
+            # §9.4 on the tail page it rewrites: no pin (a queued D2H or COW copy reads it).
+            # No other holder's coverage needs a check: a page shared with a checkpoint or
+            # another sequence lies below the protected frontier, refused above. So the page
+            # is this sequence's alone — its writer, or one a Move handed over whole with no
+            # writer (§9.1), which Truncate's apply makes its writer (and asserts one ref).
+            if p.pages[sp.members[frontier // P]].pins:  # type: ignore[union-attr]
+                raise WritePermissionError(why_not_writable(p, bundle, frontier // P))
+        keep = ceil_div(max(frontier, min(sp.provisional, frontier)), P)
+        check_private(p, sp, keep)
+        events.append(ev.Truncate(bundle, p.name, frontier))
+        if keep < sp.nmem:
+            events.append(ev.Trim(bundle, p.name, keep))
+            trims.append((bundle, keep))
     tx._emit(*events)
-    if trimmed:  # after the events (as every command): its blocks unmap at the boundary
+    for bundle, keep in trims:  # after the events (as every command): unmapped at the boundary
         tx._touch(p.name, bundle, keep)
-    checked.forget(tx, p.name, bundle, frontier)  # the tail must be written again
+    for sp, frontier in zip(spaces, fs, strict=True):
+        checked.forget(tx, p.name, sp.bundle, frontier)  # the tail must be written again
 
 
 def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.integrations.hf_served import refuse, unserved_call, unserved_layers
@@ -98,17 +97,3 @@ def checked_unit(cache: Any, module: torch.nn.Module, layer: int,  # noqa: ANN40
     if unit is None:
         raise InvalidArgument(f"ninfer_kv attention: layer {layer} before layer 0")
     return unit
-
-
-def refused_truncation(store: KVStore, pool: str, rows: list[tuple[int, int]]) -> str | None:
-    """Why ``store.truncate`` would refuse one of ``rows`` (seq, frontier) — a protected
-    frontier above it (§8.2), or a tail page a queued copy pins (§9.4) — or None: checked
-    for every row before any is truncated, so a refusal never leaves the rows apart."""
-    for seq, frontier in rows:
-        sp = store.space(seq, pool)
-        if sp.protected > frontier:
-            return f"seq {seq}: protected frontier {sp.protected} > {frontier}"
-        if frontier % P and frontier < sp.committed and \
-                store.page(store.handles(seq, pool)[frontier // P]).pins:
-            return f"seq {seq}: its tail page is pinned by a queued copy"
-    return None

@@ -51,7 +51,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.integrations.hf_served import store_config_for
 from ninfer_kv.integrations.hf_unit import Unit as _Unit
-from ninfer_kv.integrations.hf_unit import checked_unit, refused_truncation
+from ninfer_kv.integrations.hf_unit import checked_unit
 
 __all__ = ["ATTN_IMPLEMENTATION", "NinferKVCache", "ninfer_kv_attention", "register",
            "store_config_for"]
@@ -268,12 +268,13 @@ class NinferKVCache(Cache):
         row) when the store would refuse one (a retained or shared prefix protects it now)."""
         rows = [(s, a) for s, a, b in zip(self.seqs, unit.start.tolist(), unit.end.tolist(),
                                           strict=True) if b > a]
-        why = refused_truncation(self.store, self.pool, rows)
-        if why is not None:
-            log.warning("hf_abort_kept_commit", reason=why)
+        try:  # every row or none: a refusal changed nothing
+            self.store.truncate_many(self.pool, [s for s, _ in rows], [a for _, a in rows])
+        except KVStoreError as exc:
+            if self.store.failed is not None:
+                raise
+            log.warning("hf_abort_kept_commit", reason=f"{type(exc).__name__}: {exc}")
             return False
-        for seq, start in rows:
-            self.store.truncate(seq, self.pool, start)
         return True
 
     def frontiers(self) -> list[int]:

@@ -211,3 +211,26 @@ def test_forks_of_forks_in_one_interval_copy_in_order(tmp_path: Path) -> None:
     digest = s.digest()
     s.close()
     assert replay(str(tmp_path / "journal")).digest == digest
+
+
+def test_truncate_many_truncates_every_sequence_or_none(tmp_path: Path) -> None:
+    """``truncate_many`` checks every sequence with truncate's own rules before any event:
+    here the second's page above its new frontier is pinned by a queued fork copy
+    (``check_private``), so neither moves; duplicates and unequal lengths are refused too;
+    once the copy ran, both go back together."""
+    s = KVStore.open(small_config(tmp_path, pages=40))
+    a, b = running(s, 129, 100), running(s, 129, 100)
+    s.fork_live(b, 50)                     # at 129: b's tail page (block 2) is copied
+    digest = s.digest()
+    with pytest.raises(WritePermissionError, match="pinned by a copy"):
+        s.truncate_many("main", [a, b], [128, 128])
+    with pytest.raises(InvalidArgument, match="more than once"):
+        s.truncate_many("main", [a, a], [128, 128])
+    with pytest.raises(InvalidArgument, match="differ in length"):
+        s.truncate_many("main", [a, b], [128])
+    assert s.digest() == digest and s.space(a).committed == 129
+    step(s)
+    s.truncate_many("main", [a, b], [128, 128])
+    assert [s.space(x).committed for x in (a, b)] == [128, 128]
+    step(s)
+    s.check_invariants()

@@ -319,3 +319,27 @@ def test_a_forward_without_a_cache_leaves_the_last_used_one_alone() -> None:
         out = model.generate(first, cache=cache, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, clean)
     store.check_invariants()
+
+
+def test_abort_keeps_the_commit_when_a_page_it_would_drop_is_pinned() -> None:
+    """Review finding: the pre-check copied only two of truncate's refusals; a forward that
+    began on a page boundary drops the page above on truncate, and a ``fork_live`` queued
+    after it pins that page, so row 0 was truncated, row 1 refused: the rows went apart
+    ([64, 65]) under one column count of 65, and the next forward wrote row 0's token at 64
+    with rotary position 65. ``truncate_many`` checks every row with truncate's own rules."""
+    model, cfg = llama()
+    store = KVStore.open(store_config_for(cfg, max_context=256, max_concurrency=4))
+    ids = torch.randint(1, 96, (2, 64), generator=torch.Generator().manual_seed(2))
+    cache = NinferKVCache(store)
+    with torch.no_grad():
+        model(ids, cache=cache)                            # one whole page
+        model(torch.tensor([[5], [6]]), cache=cache)       # 65: began on a page boundary
+    store.fork_live(cache.seqs[1], 4)                      # row 1's new page: COW queued
+    cache.abort()                                          # as after a failure in the head
+    assert cache.get_seq_length() == 65 and cache.frontiers() == [65, 65]
+    with store.boundary():
+        pass
+    with torch.no_grad():
+        model(torch.tensor([[7], [8]]), cache=cache)
+    assert cache.get_seq_length() == 66 and cache.frontiers() == [66, 66]
+    store.check_invariants()
