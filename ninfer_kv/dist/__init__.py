@@ -21,6 +21,7 @@ from ninfer_kv.dist.errors import (
     ReplicaDiverged,
     ReplicaError,
     ReplicaUnsupported,
+    SendFailed,
     StreamBroken,
     TransferAborted,
     TransferCorrupt,
@@ -34,8 +35,8 @@ from ninfer_kv.dist.transfer import TransferReport, export
 
 __all__ = [
     "DistError", "Follower", "FollowerStore", "Leader", "NotLeader", "PlanMismatch",
-    "RecordRefused", "ReplicaDiverged", "ReplicaError", "ReplicaUnsupported", "Step",
-    "StreamBroken",
+    "RecordRefused", "ReplicaDiverged", "ReplicaError", "ReplicaUnsupported", "SendFailed",
+    "Step", "StreamBroken",
     "TransferAborted", "TransferCorrupt", "TransferError", "TransferRefused", "TransferReport",
     "export", "import_", "shard_config",
 ]

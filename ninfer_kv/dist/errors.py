@@ -12,6 +12,15 @@ class DistError(KVStoreError):
 
 
 # --- TP replicas (replica.py) ---------------------------------------------------------------
+class SendFailed(DistError):
+    """A ``wire.sender`` message that the ranks in ``ranks`` did not get; every other rank
+    of the sender's list did."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class ReplicaError(DistError):
     """A follower cannot take what its leader sent."""
 

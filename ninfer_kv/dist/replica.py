@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 from crc32c import crc32c
 
-from ninfer_kv.dist.errors import ReplicaError, StreamBroken
+from ninfer_kv.dist.errors import ReplicaError, SendFailed, StreamBroken
 from ninfer_kv.dist.stream import (
     ACK,
     END,
@@ -152,6 +152,7 @@ class Leader:
             if why is not None:
                 self.failed = why
                 self.store.record_hook = None
+                self._drain_acks(self._acks[i + 1:])  # the later standbys got it too
                 self._n += 1
                 with contextlib.suppress(Exception):
                     self._send(encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
@@ -160,14 +161,32 @@ class Leader:
                 raise StreamBroken(f"leader stopped streaming at message {n}: {why}; its "
                                    "durable records may be missing on that standby")
 
-    def _transmit(self, message: bytes) -> None:
+    def _drain_acks(self, acks: Sequence[Callable[[], bytes]],
+                    missed: Sequence[int] | None = None) -> None:
+        """Read (and drop) the ack of every standby in ``acks`` that got an ACK-flagged
+        message, before a FAILED message goes: a standby sends its ack as soon as it applied
+        the message, and on gloo a send waits for the matching receive — the leader's FAILED
+        send to it and its ack to the leader would each wait for the other until the group's
+        timeout (30 minutes by default). ``missed``: None when every standby got the message;
+        else the ranks it did not reach (``SendFailed.ranks``), and only a ``wire.Receiver``
+        from another rank is read (of any other receive, which rank it reads is unknown)."""
+        for recv in acks:
+            src = getattr(recv, "src", None)
+            if missed is None or (src is not None and src not in missed):
+                with contextlib.suppress(Exception):
+                    recv()
+
+    def _transmit(self, message: bytes, acked: bool = False) -> None:
         """Send, or stop the stream: the followers that got the message would wait for a
-        next one that never comes, so a FAILED message goes after it (best effort)."""
+        next one that never comes, so a FAILED message goes after it (best effort), after
+        the acks of the standbys that got an ACK-flagged one (``_drain_acks``)."""
         try:
             self._send(message)
         except Exception as exc:
             self.failed = f"a send failed: {type(exc).__name__}: {exc}"
             self.store.record_hook = None
+            if acked and isinstance(exc, SendFailed):  # who got it is known: drain those
+                self._drain_acks(self._acks, exc.ranks)
             self._n += 1
             with contextlib.suppress(Exception):
                 self._send(encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
@@ -192,7 +211,7 @@ class Leader:
         self._n += 1
         msg = encode_message(Message(MSG_MAGIC, VERSION, self.salt, self._n,
                                      flags | (ACK if wait else 0), note, dig, frames))
-        self._transmit(msg)
+        self._transmit(msg, wait)
         self.stats["messages"] += 1
         self.stats["records"] += len(frames)
         self.stats["bytes"] += len(msg)

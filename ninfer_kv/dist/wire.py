@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ninfer_kv.dist.errors import DistError
+from ninfer_kv.dist.errors import DistError, SendFailed
 from ninfer_kv.engine.args import as_int
 
 MAX_MESSAGE = 1 << 31
@@ -71,11 +71,24 @@ def sender(peers: Sequence[int], group: Any = None) -> Callable[[bytes], None]:
                 failed.append((r, exc))
         if failed:
             r, exc = failed[0]
-            raise DistError(f"send to ranks {[x for x, _ in failed]} failed (rank {r}: "
-                            f"{type(exc).__name__}: {exc})") from exc
+            bad = [x for x, _ in failed]
+            raise SendFailed(f"send to ranks {bad} failed (rank {r}: {type(exc).__name__}: "
+                             f"{exc})", bad) from exc
     return send
 
 
-def receiver(src: int, group: Any = None) -> Callable[[], bytes]:
-    src = as_int("src", src, lo=0)
-    return lambda: recv_bytes(src, group)
+class Receiver:
+    """``receive()`` of the next message from rank ``src`` (which a Leader reads acks by: a
+    rank its send failed to has no ack to read)."""
+
+    __slots__ = ("src", "group")
+
+    def __init__(self, src: int, group: Any = None) -> None:
+        self.src, self.group = as_int("src", src, lo=0), group
+
+    def __call__(self) -> bytes:
+        return recv_bytes(self.src, self.group)
+
+
+def receiver(src: int, group: Any = None) -> Receiver:
+    return Receiver(src, group)

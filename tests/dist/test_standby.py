@@ -351,3 +351,81 @@ def test_a_failed_msync_of_the_standby_arena_stops_it(tmp_path: Path) -> None:
             pass
     assert isinstance(link.errors[0], ReplicaDiverged) and standby.failed is not None
     store.close()
+
+
+class GlooLike:
+    """``wire.send_bytes`` / ``recv_bytes`` with gloo's rule that matters here: a send waits
+    for the matching receive, so a send to a standby whose own ack to the leader is not yet
+    read would block both for the group's timeout (recorded in ``deadlocks``). Ranks in
+    ``dead`` refuse sends; standbys apply at once and queue their acks."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from ninfer_kv.dist import wire
+        self.standbys: dict[int, Follower] = {}
+        self.hello: bytes = b""
+        self.outbox: dict[int, list[bytes]] = {}
+        self.dead: set[int] = set()
+        self.ack_dead: set[int] = set()   # applied, then died before its ack was read
+        self.deadlocks: list[int] = []
+        monkeypatch.setattr(wire, "send_bytes", self.send_bytes)
+        monkeypatch.setattr(wire, "recv_bytes", self.recv_bytes)
+
+    def send_bytes(self, data: bytes, dst: int, group: object = None) -> None:
+        if dst in self.dead:
+            raise RuntimeError(f"connection reset by rank {dst}")
+        if dst not in self.standbys:
+            self.hello = bytes(data)
+            return
+        if self.outbox[dst]:
+            self.deadlocks.append(dst)
+            raise RuntimeError(f"timeout: rank {dst} is sending its ack")
+        self.standbys[dst].accept(bytes(data))
+
+    def recv_bytes(self, src: int, group: object = None) -> bytes:
+        if src in self.ack_dead or not self.outbox[src]:
+            self.dead.add(src)
+            raise RuntimeError(f"connection reset by rank {src}")
+        return self.outbox[src].pop(0)
+
+    def join(self, tmp_path: Path, rank: int, standby: bool) -> None:
+        self.outbox[rank] = []
+        config = cfg(tmp_path, f"rank{rank}") if standby else \
+            shard_config(w.config(host_bytes=HOST), 2)
+        self.standbys[rank] = Follower.from_hello(
+            config, self.hello, ack=self.outbox[rank].append if standby else None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["a follower's send fails", "a standby's ack fails"])
+def test_a_failed_durable_boundary_reads_the_pending_acks_before_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Review finding: a standby acks a durable message as soon as it applied it, and a
+    gloo send waits for its receive. When the send to another rank failed (or another
+    standby's ack did), the leader sent FAILED without reading the acks that were on their
+    way: its send and the standby's ack waited for each other until the group's timeout
+    (30 minutes by default; 12 s in the reviewer's 3-rank gloo run, the old code). Now the
+    pending acks are read first; every live standby learns that the stream stopped."""
+    from ninfer_kv.dist import wire
+    from ninfer_kv.dist.errors import ReplicaDiverged
+    net = GlooLike(monkeypatch)
+    store = KVStore.open(cfg(tmp_path, "leader"))  # type: ignore[arg-type]
+    leader = Leader(store, wire.sender([1, 2, 3]),
+                    acks=[wire.receiver(2), wire.receiver(3)])
+    for r in (1, 2, 3):  # rank 1 a plain follower, 2 and 3 standbys
+        net.join(tmp_path, r, standby=r > 1)
+    retain_one(store, leader)
+    if case == "a follower's send fails":
+        net.dead.add(1)
+        stopped = "send to ranks \\[1\\] failed"
+    else:
+        net.ack_dead.add(2)
+        stopped = "no ack from standby 0"
+    with pytest.raises(StreamBroken, match=stopped), leader.boundary():
+        pass
+    assert net.deadlocks == []
+    for r in (2, 3):  # each applied the durable boundary, then got FAILED
+        if r not in net.ack_dead:
+            assert net.standbys[r].store.digest() == store.digest()
+    assert net.standbys[3].expect > 0
+    with pytest.raises(ReplicaDiverged, match="the leader failed"):
+        net.standbys[3].accept(b"")  # already stopped: it refuses anything more
+    store.close()
