@@ -102,7 +102,11 @@ class Leader:
                  send_digest: bool = False, acks: Sequence[Callable[[], bytes]] = ()) -> None:
         """``acks``: one receive function per standby rank (``wire.receiver(r)``). A boundary
         whose records change what a reopen keeps returns only once every standby
-        acknowledged them durable (``Follower.promote`` then keeps them, §5.3)."""
+        acknowledged them durable (``Follower.promote`` then keeps them, §5.3). Use
+        ``wire.sender`` and ``wire.receiver``: after a failed send, the leader reads the acks
+        of the standbys that got the message before its FAILED message (on gloo they would
+        otherwise wait for each other until the group's timeout), and only these say which
+        ranks got it and which rank an ack comes from."""
         st = store.state
         used = {n: p.allocated + p.reserved for n, p in st.pools.items()}
         if st.bundles or any(used.values()) or (st.host is not None and st.host.live_bytes) \

@@ -200,6 +200,7 @@ class KVStore(StoreCore):
 
     def truncate(self, bundle: int, pool: str | PoolKind, frontier: int) -> None:
         """Move the committed frontier back (not below the protected frontier), then trim."""
+        self._usable("truncate")  # first, as every command: a closed store says so
         self.truncate_many(pool, [as_int("seq", bundle)], [as_int("frontier", frontier)])
 
     @command

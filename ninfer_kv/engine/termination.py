@@ -62,7 +62,7 @@ def truncate_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     b, fs = as_ints("seqs", bundles), as_ints("frontiers", frontiers)
     same_length(seqs=b, frontiers=fs)
     if len(set(b)) != len(b):
-        raise InvalidArgument(f"seqs: {duplicated(np.array(b))} appear more than once in one "
+        raise InvalidArgument(f"seqs: {duplicated(np.array(b, dtype=object))} appear more than once in one "
                               "batched command")
     spaces = [lookup(p, x, active=True) for x in b]
     events: list[Any] = []

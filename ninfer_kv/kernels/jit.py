@@ -17,6 +17,7 @@ The directory is set on ``numba.config.CACHE_DIR`` only while our functions are 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import os
@@ -96,21 +97,25 @@ processes (serial: still 3.2). The parallel gain is at most the thread count, so
 region's fixed costs are small beside the work. torch's intra-op loops keep a grain size
 for the same reason."""
 
-_forced: bool | None = None
+_forced: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ninfer_kv_jit_forced",
+                                                                     default=None)
+"""The choice ``forcing`` imposes in this context (a thread's own: a warmup on one thread
+never makes another thread's large work serial)."""
 
 
 def parallel(work: int) -> bool:
     """Whether a kernel with ``work`` element operations runs its parallel loop."""
-    return work >= SERIAL_BELOW if _forced is None else _forced
+    forced = _forced.get()
+    return work >= SERIAL_BELOW if forced is None else forced
 
 
 @contextlib.contextmanager
 def forcing(parallel: bool) -> Iterator[None]:
-    """Every kernel runs its parallel loop (True) or its serial twin (False) inside: for
-    ``warmup``, which compiles both, and for tests holding the two to the same output."""
-    global _forced
-    saved, _forced = _forced, parallel
+    """Every kernel this thread (context) runs inside takes its parallel loop (True) or its
+    serial twin (False): for ``warmup``, which compiles both, and for tests holding the two
+    to the same output."""
+    token = _forced.set(parallel)
     try:
         yield
     finally:
-        _forced = saved
+        _forced.reset(token)

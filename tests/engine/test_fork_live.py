@@ -17,6 +17,7 @@ from ninfer_kv.errors import (
     FrontierError,
     InactiveSpace,
     InvalidArgument,
+    StoreClosed,
     WritePermissionError,
 )
 from ninfer_kv.replay import replay
@@ -234,3 +235,6 @@ def test_truncate_many_truncates_every_sequence_or_none(tmp_path: Path) -> None:
     assert [s.space(x).committed for x in (a, b)] == [128, 128]
     step(s)
     s.check_invariants()
+    s.close()  # the store's state before the arguments (review: as every command)
+    with pytest.raises(StoreClosed):
+        s.truncate(a, "main", 1.5)  # type: ignore[arg-type]

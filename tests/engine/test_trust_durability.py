@@ -347,13 +347,14 @@ def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
         "release": (ck,), "release_tail": (ck, 0), "set_metadata": (ck, None),
         "set_provisional": (a, "main", 1), "set_provisional_many": ("main", [a], [1]),
         "share_prefix": (a,), "snapshot": (),
-        "table_rows": ("main", [a]), "trim": (a, "main"), "truncate": (a, "main", 0)}
+        "table_rows": ("main", [a]), "trim": (a, "main"), "truncate": (a, "main", 0),
+        "truncate_many": ("main", [a], [0])}
     public = {n for n in dir(KVStore) if not n.startswith("_")}
     assert public == set(refused) | ANSWERS_WHEN_CLOSED, \
         sorted(public ^ (set(refused) | ANSWERS_WHEN_CLOSED))
     for name, args in refused.items():
         said = {"boundary": "close_boundary", "commit_many": "commit", "layer_view": "batch_view",
-                "ensure_mapped_many": "ensure_mapped",
+                "ensure_mapped_many": "ensure_mapped", "truncate_many": "truncate",
                 "set_provisional_many": "set_provisional"}.get(name, name)  # one check, two doors
         with pytest.raises(StoreClosed, match=f"^{said} refused: the store is closed"):
             result = getattr(s, name)(*args)

@@ -5,6 +5,7 @@ bytes; these tests hold them to it and check which twin each wrapper picks."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -122,3 +123,28 @@ def test_small_work_runs_serially_and_large_work_in_parallel(
             picked.append(sorted(set(ran)))  # copies: one call per plane, all alike
             ran.clear()
         assert picked == [["serial"], ["parallel"], ["serial"]], (module.__name__, picked)
+
+
+def test_forcing_holds_in_its_own_thread_only() -> None:
+    """Review finding: ``forcing`` set a module global, so a ``warmup`` on one thread made
+    another thread's large work serial, and interleaved exits on two threads left it forced
+    for good. It is a context variable now: each thread sees only its own."""
+    inside, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def warming() -> None:
+        with jit.forcing(False):
+            inside.set()
+            release.wait(10)
+            seen.append(jit.parallel(1 << 40))
+
+    t = threading.Thread(target=warming)
+    t.start()
+    assert inside.wait(10)
+    with jit.forcing(True):
+        assert jit.parallel(1)           # this thread's own choice
+    assert jit.parallel(1 << 40) and not jit.parallel(1)  # the other's is not seen here
+    release.set()
+    t.join(10)
+    assert seen == [False]
+    assert jit._forced.get() is None
