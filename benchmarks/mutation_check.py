@@ -181,7 +181,7 @@ KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_wrapper_r
            "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
-           "tests/kernels/test_kernels_cpu.py"]
+           "tests/kernels/test_kernels_cpu.py", "tests/kernels/test_serial_twins.py"]
 OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/kernels/test_store_kernels.py",
            "tests/tools/test_cli*.py"]
 
@@ -224,6 +224,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                           "tests/engine/test_release_tail.py",
                           "tests/engine/test_share_prefix.py", "tests/engine/test_page_arrays.py",
                           *ENGINE], MACHINE) for g in ("engine/apply*.py", "engine/page_life*.py")),
+    ("engine/termination.py", ["tests/engine/test_fork_live.py", *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/frames.py", ["tests/journal/test_frames.py", *JOURNAL], []),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
