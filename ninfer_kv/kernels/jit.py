@@ -95,7 +95,13 @@ barrier for a scheduler time slice. Measured here (2 cores, numba's ``omp`` laye
 processes (serial: still 3.2). The parallel gain is at most the thread count, so below
 ~2^18 element operations (0.1-1 ms of work) it does not pay for that risk; above, the
 region's fixed costs are small beside the work. torch's intra-op loops keep a grain size
-for the same reason."""
+for the same reason.
+
+A kernel's two drivers call one ``inline="always"`` item body; the serial twin is compiled
+with ``error_model="numpy"``, the model numba gives a parallel loop's body. With another
+error model the fastmath loops vectorise differently and the twins' outputs differ in the
+last bit (1 ulp in 471 of 1,792 prefill outputs when measured);
+tests/kernels/test_serial_twins.py holds them to the same bytes."""
 
 _forced: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ninfer_kv_jit_forced",
                                                                      default=None)
