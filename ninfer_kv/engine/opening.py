@@ -11,8 +11,9 @@ The order is the rule (issue: "a refused open has already truncated the arena"):
 4. the recovered pool set, model geometry, host capacity and host persistence are compared
    with the configuration, and the host arena's identity token with the journal's
    (``_check_arena``) — a mismatch raises ``ConfigError`` with every file as it was;
-5. device planes, block tables and an in-memory host arena are allocated (an allocation
-   failure is a ``ConfigError``, still before any file changed);
+5. device planes, block tables and an in-memory host arena are allocated (CPU planes larger
+   than the machine's free memory are refused first, ``_check_fits``; an allocation failure
+   is a ``ConfigError``, still before any file changed);
 6. only now: the journal's torn tail is cut and a new segment started, the host arena file
    is mapped (and sized), and the restart cleanup record is written and synced.
 
@@ -150,6 +151,40 @@ def _allocate(what: str, make: Callable[[], T]) -> T:
                           ) from None
 
 
+def memory_available() -> int | None:
+    """Bytes this machine can still hand out without the OOM killer: ``MemAvailable`` plus
+    ``SwapFree`` of ``/proc/meminfo`` (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            lines = f.read().decode("ascii", "replace").splitlines()
+    except OSError:
+        return None
+    kib = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name in ("MemAvailable", "SwapFree") and rest.split():
+            kib[name] = int(rest.split()[0])
+    if "MemAvailable" not in kib:
+        return None
+    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+
+
+def _check_fits(plan: CapacityPlan, config: StoreConfig) -> None:
+    """CPU planes are zero-filled at open, so every byte of them is touched at once. Planes
+    larger than the memory this machine has free would not fail as an allocation error: the
+    kernel's OOM killer would end the process (an outside review's probe took 24 GB that
+    way). They are refused here, before any file changes, naming both sizes. A CUDA device's
+    allocator raises on its own (``_allocate`` types it)."""
+    if not config.allocate_planes or torch.device(config.device).type != "cpu":
+        return
+    need = sum(g.total_bytes for g in plan.layout.pools.values())
+    have = memory_available()
+    if have is not None and need > have:
+        raise ConfigError(f"cannot allocate device planes: the plan needs {need:,} bytes of "
+                          f"CPU memory and this machine has {have:,} available (MemAvailable "
+                          "+ SwapFree); lower kv_tokens or the model geometry")
+
+
 def _check_dir(name: str, path: str) -> None:
     if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
         raise ConfigError(f"{name}={path!r} exists and is not a directory")
@@ -222,6 +257,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
         if arena_path is not None and os.path.lexists(arena_path) and (
                 os.path.islink(arena_path) or not os.path.isfile(arena_path)):
             raise ConfigError(f"host arena {arena_path} is not a regular file")
+        _check_fits(plan, config)
         device = _allocate("device planes and block tables", lambda: DeviceState(
             {k.value: g for k, g in plan.layout.pools.items()}, plan.C, plan.L, config.device,
             config.allocate_planes))                           # 5. allocate
