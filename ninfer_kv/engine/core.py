@@ -65,6 +65,11 @@ class StoreCore:
                                             plan.C, plan.L, config.device,
                                             config.allocate_planes)
         self._pending: list[Any] = []
+        # events applied to the state that no record holds for sure: a failed command's, and
+        # every event of the boundary that failed (its records may be torn or unsynced).
+        # ``checkpoint_info`` reports nothing they touch as surviving a restart
+        self._unjournaled: list[Any] = []
+        self._in_boundary: list[Any] = []  # the events the running boundary journaled
         self._applied = 0  # events handed to apply, ever: ``command`` compares it
         # device copies for the next boundary, in emission order (a page group freed and
         # reused within one record must be read by an earlier copy before it is overwritten)
@@ -205,6 +210,8 @@ class StoreCore:
             self._failed = f"{what}: {type(exc).__name__}: {exc}"
             log.error("store.failed", reason=self._failed)
         # queued work is abandoned, never half-run later: the journal is the truth on reopen
+        self._unjournaled += self._in_boundary + self._pending
+        self._in_boundary = []
         self._pending.clear()
         self._effects.clear()
         self._touched.clear()
@@ -269,6 +276,7 @@ class StoreCore:
             self.state.seq = seq
             self.stats["records"] += 1
             self.stats["events"] += len(self._pending)
+            self._in_boundary += self._pending
             if self.record_hook is not None:
                 self.record_hook(seq, self._pending)
             self._pending = []
@@ -278,6 +286,7 @@ class StoreCore:
         """One boundary; any failure inside stops the store (fail-stop) and raises
         ``StoreFailed`` — nothing queued is left to run later (``KeyboardInterrupt`` and
         ``SystemExit`` stop it too, and reach the engine unchanged)."""
+        self._in_boundary = []
         try:
             return self._publish_record_unguarded()
         except BaseException as exc:
@@ -313,12 +322,13 @@ class StoreCore:
             published = host.run_transfers(self, transfers)
             self._emit(*published)
             self._emit(*host.drops_after_publish(self, transfers))
-            self.stats["published"] += len(published)
             durable = True
         if self._pending:
             seq = self._append_pending()
-        if durable and self.journal is not None:
-            self.journal.sync()
+        if durable:
+            if self.journal is not None:
+                self.journal.sync()
+            self.stats["published"] += len(published)  # once durable, not before
         every = self.config.snapshot_every
         if every and self.journal is not None and seq - self._snapshot_seq >= every:
             self.journal.write_snapshot(encode_state(self.state), loads)

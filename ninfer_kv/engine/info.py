@@ -17,6 +17,8 @@ from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import UnknownHandle
+from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.events import unpack
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.txn import Txn
@@ -106,12 +108,44 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
     main = pools.get("main") or next(iter(pools.values()), None)
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena
-    # (a checkpoint without pages needs none)
-    survives = (not b.active and all(r.host_pages == r.pages for r in pools.values())
+    # (a checkpoint without pages needs none); and the journal holds what established it
+    survives = (store.journal is not None and not b.active  # no journal: no restart keeps it
+                and all(r.host_pages == r.pages for r in pools.values())
                 and (st.host_persistent == 1 or all(r.pages == 0 for r in pools.values())))
+    if survives:  # ... in the journal, too: not while an event it depends on is only in memory
+        slots = {name: set(st.pools[name].spaces[bundle].slots.tolist()) for name in b.pools}
+        survives = not any(may_establish(e, bundle, slots)
+                           for e in (*store._pending, *store._unjournaled))
     return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
                           b.finish_reason, b.parent if b.parent >= 0 else None,
                           msgspec.msgpack.decode(b.meta) if b.meta else None)
+
+
+_BY_DST = (ev.Share, ev.Prefix, ev.Move, ev.Fork, ev.CopyTail)
+_BY_BUNDLE = (ev.Finish, ev.Activate)
+NEUTRAL = frozenset((ev.Configure, ev.HostConfigure, ev.PublishActive, ev.SetMetadata,
+                     ev.Release, ev.Materialize, ev.CommitFrontiers, ev.ProvisionalFrontiers,
+                     ev.Trim, ev.Truncate, ev.Grow, ev.HostReserve, ev.HostAbort, ev.HostDrop,
+                     ev.DeviceDrop, ev.DeviceRestore, ev.Pin, ev.Unpin))
+"""Events that cannot make an inactive checkpoint survive a restart: they touch only active
+sequences, or take replicas or references away (a pin, a drop, a release)."""
+
+
+def may_establish(e: Any, bundle: int, slots: dict[str, set[int]]) -> bool:  # noqa: ANN401
+    """Whether event ``e`` may be what makes checkpoint ``bundle`` (whose page slots, by pool,
+    are ``slots``) survive a restart: its retained Finish, the Share/Prefix/Move/Fork that
+    created it, or a HostPublish of one of its pages. An event type not classified here counts
+    as one (a test classifies every type)."""
+    t = type(e)
+    if t is ev.HostPublish:
+        return not slots.get(e.pool, set()).isdisjoint(unpack(e.slots).tolist())
+    if t in _BY_DST:
+        return e.dst == bundle
+    if t in _BY_BUNDLE:
+        return e.bundle == bundle
+    if t is ev.Recovered:
+        return bundle in unpack(e.kept).tolist()
+    return t not in NEUTRAL
 
 
 def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
