@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Protocol
 
 
@@ -61,14 +62,24 @@ umask, and never opened through a symlink (``O_NOFOLLOW``)."""
 
 
 def open_private(path: str, flags: int) -> int:
-    """``os.open`` that refuses a symlink and leaves a created file 0600 regardless of umask."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    if flags & os.O_CREAT:
-        try:
+    """``os.open`` that refuses a symlink and anything but a regular file, and leaves a
+    created file 0600 regardless of umask. The open itself does not block (``O_NONBLOCK``,
+    cleared once the file is known to be regular): a FIFO under a segment's name would
+    otherwise hang every reader in ``open(2)`` until some writer appeared (an outside
+    review's repro); it is refused like a directory, as an ``OSError`` naming the path."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, FILE_MODE)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise OSError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket)", path)
+        os.set_blocking(fd, True)
+        if flags & os.O_CREAT:
             os.fchmod(fd, FILE_MODE)
-        except OSError:
-            os.close(fd)
-            raise
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
