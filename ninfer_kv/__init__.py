@@ -12,13 +12,34 @@ from typing import Any
 
 import structlog
 
+
+class LogSink:
+    """Where the library's default log lines go: the *current* ``sys.stderr`` (not the one of
+    import time), or, while ``held`` is a list, that list — the CLI holds them while a command
+    runs, so a command that fails says so in one line (tools/cli.py)."""
+
+    held: list[str] | None = None
+
+    def write(self, text: str) -> None:
+        if self.held is not None:
+            self.held.append(text)
+        else:
+            sys.stderr.write(text)
+
+    def flush(self) -> None:
+        if self.held is None:
+            sys.stderr.flush()
+
+
+LOG_SINK = LogSink()
+
 if not structlog.is_configured():
     # Library default: key-value lines on stderr (never stdout: CLI --json owns it), level from
     # NINFER_KV_LOG (default warning). An application that configures structlog itself wins.
     _level = getattr(logging, os.environ.get("NINFER_KV_LOG", "warning").upper(), logging.WARNING)
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(_level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(LOG_SINK),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 

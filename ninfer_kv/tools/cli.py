@@ -2,7 +2,9 @@
 
 Errors — a ``KVStoreError``, an ``OSError`` (a missing trace, an unreadable file) or an
 argument out of range — become one ``error:`` line on stderr and exit code 2, never a
-traceback and never exit 0.
+traceback and never exit 0. The library's log lines (a torn tail cut, a snapshot skipped) are
+held while a command runs: printed to stderr after it succeeds, dropped when it fails, so the
+error stays one line (what they said is in the error or the command's own output).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
+from ninfer_kv import LOG_SINK
 from ninfer_kv.errors import KVStoreError
 from ninfer_kv.tools.argtypes import OneLineParser
 
@@ -41,16 +44,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console(stderr=False)
+    held: list[str] = []
+    LOG_SINK.held = held
     try:
-        return _COMMANDS[args.command](args, console)
+        code = _COMMANDS[args.command](args, console)
     except BrokenPipeError:  # `ninfer-kv dump DIR | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (KVStoreError, OSError) as exc:
+        held.clear()
         what = type(exc).__name__
         text = " ".join(str(exc).split())  # one line, whatever the message holds
         sys.stderr.write(f"error: {what}: {text}\n")
         return 2
+    finally:
+        LOG_SINK.held = None
+        sys.stderr.write("".join(held))
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

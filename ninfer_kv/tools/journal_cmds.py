@@ -210,6 +210,10 @@ def run_inspect(a: argparse.Namespace, console: Console) -> int:
     if page is not None:
         out["page"] = page_descriptor(st, *page)
         out["page_history"] = history
+        used = st.pools[page[0]].n_slots  # slots below it have held a page at some time
+        if out["page"] is None and not history and page[1] >= used:
+            raise UnknownHandle(f"--page {a.page}: no page ever used slot {page[1]} of pool "
+                                f"{page[0]!r} up to record {st.seq} ({used} slots used)")
     if a.json:
         emit_json(out)
         return 0
