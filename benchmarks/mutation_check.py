@@ -166,7 +166,8 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
           "tests/engine/test_continuation.py", "tests/engine/test_host_tier.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
           "tests/engine/test_host_arena.py", "tests/engine/test_row_isolation.py",
-          "tests/engine/test_snapshot_pruning.py", "tests/engine/test_interrupted_commands.py"]
+          "tests/engine/test_snapshot_pruning.py", "tests/engine/test_interrupted_commands.py",
+          "tests/engine/test_survives_restart.py"]
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",
@@ -175,6 +176,7 @@ JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py
            "tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",
            "tests/tools/test_cli.py", "tests/tools/test_from_snapshot.py",
            "tests/tools/test_cli_errors.py", "tests/journal/test_journal_lock.py",
+           "tests/journal/test_not_regular_files.py",
            "tests/engine/test_store_paths.py", "tests/engine/test_snapshot_pruning.py"]
 KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_wrapper_review.py",
            "tests/kernels/test_prefill_varlen.py",
@@ -182,7 +184,8 @@ KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_wrapper_r
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
            "tests/kernels/test_kernels_cpu.py", "tests/kernels/test_serial_twins.py"]
-OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/kernels/test_store_kernels.py",
+OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/engine/test_open_limits.py",
+           "tests/kernels/test_store_kernels.py",
            "tests/tools/test_cli*.py"]
 
 TESTS: list[tuple[str, list[str], list[str]]] = [

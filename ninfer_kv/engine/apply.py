@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ninfer_kv.engine import apply_checkpoints as ac
@@ -176,11 +177,24 @@ def _grow(st: StoreState, e: ev.Grow) -> None:
 
 
 def _set_metadata(st: StoreState, e: ev.SetMetadata) -> None:
-    st.bundles[e.bundle].meta = bytes(e.meta)
+    b = st.bundles[e.bundle]
+    assert len(e.meta) <= ev.METADATA_MAX, \
+        f"SetMetadata of seq {e.bundle}: {len(e.meta)} bytes, over {ev.METADATA_MAX}"
+    if e.meta:  # what set_metadata encodes, and checkpoint_info decodes: refused here if not
+        try:
+            msgspec.msgpack.decode(e.meta)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"SetMetadata of seq {e.bundle}: {len(e.meta)} bytes that are "
+                             f"not one msgpack value ({exc})") from None
+    b.meta = bytes(e.meta)
 
 
 def _recovered(st: StoreState, e: ev.Recovered) -> None:
-    """A marker for tools; the state changes follow as ordinary events."""
+    """A marker for tools; the state changes follow as ordinary events. Its fields are still
+    checked, so every tool that reads it (replay, open, dump) refuses a damaged one alike."""
+    assert e.records >= 0 and len(e.kept) % 4 == 0 and len(e.dropped) % 4 == 0, \
+        f"Recovered: {e.records} records, {len(e.kept)} and {len(e.dropped)} bytes of kept " \
+        "and dropped seqs (int32 each)"
 
 
 _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {

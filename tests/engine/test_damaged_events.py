@@ -180,6 +180,11 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "Move of an empty checkpoint onto itself": [
             ev.Activate(nxt, "main", 0, row, 10, 0, 0), ev.PublishActive(nxt),
             ev.Finish(nxt, "main", True, "done"), ev.Move(nxt, nxt, "main", 0)],
+        # review repro: stored as is, then checkpoint_info raised msgspec.DecodeError
+        "SetMetadata that is not msgpack": [ev.SetMetadata(ck, b"\xc1")],
+        "SetMetadata with bytes after the value": [ev.SetMetadata(ck, b"\x01\x02")],
+        "SetMetadata over the limit": [ev.SetMetadata(ck, b"\xc0" * (ev.METADATA_MAX + 1))],
+        "Recovered with torn fields": [ev.Recovered(1, b"\x01", b"\x01\x02")],
     }
 
 # each case's refusal, worded: a refusal that falls through to another rule's message (its
@@ -244,6 +249,10 @@ WORDING = {
     'Materialize without a page group': 'a new page without a page group',
     'Fork from an active sequence': 'not an inactive checkpoint',
     'Move of an empty checkpoint onto itself': 'into another, empty destination',
+    'SetMetadata that is not msgpack': 'not one msgpack value',
+    'SetMetadata with bytes after the value': 'not one msgpack value',
+    'SetMetadata over the limit': f'over {ev.METADATA_MAX}',
+    'Recovered with torn fields': '1 and 2 bytes of kept and dropped seqs',
 }
 
 
@@ -279,6 +288,25 @@ def test_a_journal_with_a_negative_trim_is_refused_not_a_crash(
         else (lambda: KVStore.open(s.config)))
     with pytest.raises(UnappliableRecord if opener == "replay" else JournalCorrupt,
                        match="Trim of seq"):
+        call()
+
+
+@pytest.mark.parametrize("opener", ["replay", "open"])
+def test_a_journal_with_metadata_that_does_not_decode_is_refused(
+        tmp_path: Path, opener: str) -> None:
+    """Review repro: accepted by replay and open, then ``checkpoint_info`` and
+    ``PrefixIndex.from_store`` raised a raw ``msgspec.DecodeError``."""
+    s = KVStore.open(small_config(tmp_path))
+    ck = s.finish(s.activate(10, 10), retain=True)
+    step(s)
+    assert s.journal is not None and ck is not None
+    s.journal.append([ev.SetMetadata(ck, b"\xc1")], durable=True)  # 0xc1: never msgpack
+    s.close()
+    call: Callable[[], object] = (
+        (lambda: replay(str(tmp_path / "journal"))) if opener == "replay"
+        else (lambda: KVStore.open(s.config)))
+    with pytest.raises(UnappliableRecord if opener == "replay" else JournalCorrupt,
+                       match="not one msgpack value"):
         call()
 
 
