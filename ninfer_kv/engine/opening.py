@@ -162,8 +162,9 @@ def memory_available() -> int | None:
     kib = {}
     for line in lines:
         name, _, rest = line.partition(":")
-        if name in ("MemAvailable", "SwapFree") and rest.split():
-            kib[name] = int(rest.split()[0])
+        words = rest.split()
+        if name in ("MemAvailable", "SwapFree") and words and words[0].isdigit():
+            kib[name] = int(words[0])
     if "MemAvailable" not in kib:
         return None
     return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
