@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import structlog
 
 from ninfer_kv.engine.args import as_int
-from ninfer_kv.errors import InvalidArgument, UnknownHandle
+from ninfer_kv.engine.info import decode_metadata
+from ninfer_kv.errors import InvalidArgument, StateError, UnknownHandle
 
 if TYPE_CHECKING:
     from ninfer_kv.engine.state import StoreState
@@ -230,7 +230,11 @@ class PrefixIndex:
             idx = cls(like.block, like._chain_fn, like._seed)
         for ck in sorted(b for b, x in state.bundles.items() if not x.active):
             bundle = state.bundles[ck]
-            meta = msgspec.msgpack.decode(bundle.meta) if bundle.meta else None
+            try:
+                meta = decode_metadata(ck, bundle.meta)
+            except StateError as exc:  # one undecodable value does not hide the others
+                log.warning("prefix_index.skipped", checkpoint=ck, reason=str(exc))
+                continue
             if isinstance(meta, dict) and key in meta:
                 # every pool must hold the tokens a match continues (they may commit
                 # different frontiers, §6.2: an MTP pool lagging the main one)

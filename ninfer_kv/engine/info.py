@@ -16,7 +16,7 @@ import numpy as np
 from ninfer_kv.engine.device import UNMAPPED
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
-from ninfer_kv.errors import UnknownHandle
+from ninfer_kv.errors import StateError, UnknownHandle
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import unpack
 
@@ -118,7 +118,20 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
                            for e in (*store._pending, *store._unjournaled))
     return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
                           b.finish_reason, b.parent if b.parent >= 0 else None,
-                          msgspec.msgpack.decode(b.meta) if b.meta else None)
+                          decode_metadata(bundle, b.meta))
+
+
+def decode_metadata(bundle: int, raw: bytes) -> Any:  # noqa: ANN401
+    """The metadata ``set_metadata`` attached to ``bundle`` (None when none). A journal may hold
+    a value msgspec encoded but cannot decode (written before set_metadata checked the round
+    trip): that is a typed ``StateError`` naming it, not msgspec's own exception."""
+    if not raw:
+        return None
+    try:
+        return msgspec.msgpack.decode(raw)
+    except (msgspec.MsgspecError, RecursionError, ValueError, TypeError) as exc:
+        raise StateError(f"metadata of seq {bundle} ({len(raw)} bytes) does not decode: "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 _BY_DST = (ev.Share, ev.Prefix, ev.Move, ev.Fork, ev.CopyTail)

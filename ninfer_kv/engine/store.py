@@ -269,13 +269,15 @@ class KVStore(StoreCore):
         bundle = as_int("seq", bundle)
         if bundle not in self.state.bundles:
             raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
-        try:
+        try:  # what checkpoint_info must decode again: a struct-keyed map encodes, but not back
             data = b"" if metadata is None else msgspec.msgpack.encode(metadata)
-        except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError
+            if data:
+                msgspec.msgpack.decode(data)
+        except (TypeError, ValueError, OverflowError, RecursionError, msgspec.MsgspecError
                 ) as exc:
             raise InvalidArgument(f"set_metadata({bundle}): metadata must be msgpack-encodable "
-                                  f"(dict, list, str, bytes, int, float, bool, None): {exc}"
-                                  ) from None
+                                  "and decodable again (dict, list, str, bytes, int, float, "
+                                  f"bool, None): {type(exc).__name__}: {exc}") from None
         metadata_room(f"set_metadata({bundle})", self._pending, len(data))
         self._emit(ev.SetMetadata(bundle, data))
 
