@@ -10,6 +10,7 @@ It walks every written position in Python, so it is for tests, the demo and debu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,13 @@ class WriteGuard:
         self._layer = layer
 
     def __call__(self, table_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Check every write and record it as written (a caller that writes by itself)."""
+        self.check(table_rows, positions)()
+
+    def check(self, table_rows: torch.Tensor, positions: torch.Tensor) -> Callable[[], None]:
+        """Check every write; returns what records them, for a kernel wrapper to call once
+        its kernel ran (a write that failed before it — a bad conversion, an interrupt — is
+        no write: recording it first let a checked commit accept tokens never written)."""
         p = self._store.state.pools[self._pool]
         rows = table_rows.tolist()
         pos = positions.tolist()
@@ -72,9 +80,13 @@ class WriteGuard:
                     f"checked write: seq {b} pool {p.name} position {x} lands in page "
                     f"{p.name}:{pg.slot} (writer={pg.writer}, pins={pg.pins}, protected="
                     f"{pg.protected}): only its single unpinned writer may write (§9.4)")
-        written = self._store._written
-        for r, x in zip(rows, pos, strict=True):  # every write was allowed: record them
-            written.setdefault((self._pool, p.row_owner[r], self._layer), set()).add(x)
+        owners = [p.row_owner[r] for r in rows]
+
+        def record() -> None:  # every write was allowed, and ran
+            written = self._store._written
+            for b, x in zip(owners, pos, strict=True):
+                written.setdefault((self._pool, b, self._layer), set()).add(x)
+        return record
 
 
 def check_commit(store: Txn, pool: str, bundles: list[int], frontiers: list[int]) -> None:

@@ -16,8 +16,10 @@ from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels.checks import check_devices, check_index, check_view
 
 WriteCheck = Callable[[torch.Tensor, torch.Tensor], None]
-"""Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed. A
-validation hook only: it grants the consumer no allocator or ownership authority (§12)."""
+"""Checked mode: ``guard(table_rows, positions)`` raises unless every write is allowed (and
+records them as written; the store's guard also has ``check``, which returns the recording
+for a kernel wrapper to run after its kernel). A validation hook only: it grants the consumer
+no allocator or ownership authority (§12)."""
 
 
 CODE_DTYPE = {Codec.BF16: torch.bfloat16, Codec.INT8_G64: torch.int8,

@@ -120,8 +120,14 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
                               f"({view.num_kv_heads}, {view.head_dim})")
     check_devices(view, "append_kv", k=k, v=v, table_rows=table_rows, positions=positions)
     check_mapped(view, table_rows, positions, "append_kv")
-    if getattr(view, "guard", None) is not None:  # checked mode: writer/frontier/ownership
-        view.guard(table_rows, positions)
+    record = None
+    guard = getattr(view, "guard", None)
+    if guard is not None:  # checked mode: writer/frontier/ownership
+        check = getattr(guard, "check", None)  # the store's: records once the kernel ran
+        if check is not None:
+            record = check(table_rows, positions)
+        else:
+            guard(table_rows, positions)
     kc, vc = page_major(view.k_pages, view.order), page_major(view.v_pages, view.order)
     ks = scale_or_dummy(page_major(view.k_scale_pages, view.order), kc)
     vs = scale_or_dummy(page_major(view.v_scale_pages, view.order), vc)
@@ -138,3 +144,5 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
         _append_cpu(*args)
     else:
         _append_serial(*args)
+    if record is not None:  # after the kernel: a write that failed before it is no write
+        record()

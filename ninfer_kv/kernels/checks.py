@@ -47,9 +47,11 @@ def check_index(t: Any, name: str, who: str, ndim: int = 1) -> None:
         raise InvalidArgument(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise InvalidArgument(f"{who}: {name} must be an integer tensor, got {t.dtype}")
-    if t.dtype == torch.uint64:  # the checks read indices as int64: 2**63 would wrap negative
-        raise InvalidArgument(f"{who}: {name} must be a signed or 8/16/32-bit integer "
-                              "tensor, got torch.uint64 (values from 2**63 have no int64 form)")
+    if t.dtype in _SHELL_UINTS:  # torch implements few ops on them (max, <): the wrappers'
+        # checks would raise NotImplementedError; uint64 from 2**63 has no int64 form either
+        raise InvalidArgument(f"{who}: {name} must be a signed integer or uint8 tensor, got "
+                              f"{t.dtype} (torch has few operations on uint16/32/64)")
+    _strided(t, name, who)
     if t.dim() != ndim:
         raise InvalidArgument(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
@@ -61,6 +63,18 @@ def check_values(t: Any, name: str, who: str, ndim: int) -> None:
     if not t.is_floating_point() or t.dim() != ndim:
         raise InvalidArgument(f"{who}: {name} must be a {ndim}-D floating-point tensor, got "
                               f"{t.dtype} {tuple(t.shape)}")
+    _strided(t, name, who)
+
+
+_SHELL_UINTS = frozenset((torch.uint16, torch.uint32, torch.uint64))
+
+
+def _strided(t: torch.Tensor, name: str, who: str) -> None:
+    """A dense tensor: a sparse or nested one has no strides for the kernels to read (and its
+    conversions fail later, past the checks)."""
+    if t.layout != torch.strided or t.is_nested:
+        raise InvalidArgument(f"{who}: {name} must be a dense (strided) tensor, got layout "
+                              f"{t.layout}{' (nested)' if t.is_nested else ''}")
 
 
 def check_view(view: Any, who: str) -> None:

@@ -1,0 +1,108 @@
+"""Tensor forms the kernel wrappers' checks let through must work or be refused typed, and a
+checked write counts only once its kernel ran.
+
+From an outside review (2026-12-03): uint16/uint32 index tensors passed ``check_index`` and then
+crashed ``paged_decode`` / ``paged_prefill`` with torch's NotImplementedError; sparse tensors
+passed every check and failed inside torch; and checked mode recorded an ``append_kv`` write
+before converting its inputs, so a write that then failed still let a checked commit publish
+tokens never written."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ninfer_kv import (
+    KVStore,
+    ModelGeometry,
+    ServingConfig,
+    StoreConfig,
+    append_kv,
+    paged_decode,
+    paged_prefill,
+    slot_mapping,
+)
+from ninfer_kv.engine.layout import PlaneOrder, Profile
+from ninfer_kv.engine.views import PagedKVBatchLayerView
+from ninfer_kv.errors import InvalidArgument, WritePermissionError
+
+
+def view() -> PagedKVBatchLayerView:
+    planes = torch.zeros(2, 4, 2, 64, 64, dtype=torch.uint16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return PagedKVBatchLayerView(planes[0], planes[1], None, None, tables, 64, 2,
+                                 Profile.BF16, PlaneOrder.PAGE_MAJOR)
+
+
+ROWS = torch.tensor([0], dtype=torch.int32)
+CALLS: dict[str, Callable[[Any], object]] = {
+    "decode context_lens": lambda dt: paged_decode(torch.randn(1, 4, 64), view(), ROWS,
+                                                   torch.tensor([5], dtype=dt)),
+    "prefill start": lambda dt: paged_prefill(torch.randn(1, 2, 4, 64), view(), ROWS,
+                                              torch.tensor([3], dtype=dt)),
+    "append positions": lambda dt: append_kv(view(), ROWS, torch.tensor([3], dtype=dt),
+                                             torch.randn(1, 2, 64), torch.randn(1, 2, 64)),
+    "slot_mapping rows": lambda dt: slot_mapping(view(), ROWS.to(dt), torch.tensor([3])),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_unsigned_wide_indices_are_refused_typed(name: str, dtype: torch.dtype) -> None:
+    with pytest.raises(InvalidArgument, match="signed integer or uint8"):
+        CALLS[name](dtype)  # old code: NotImplementedError for decode and prefill
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_int32_and_uint8_indices_work(name: str) -> None:
+    for dt in (torch.int32, torch.uint8):
+        CALLS[name](dt)
+
+
+SPARSE: dict[str, Callable[[], object]] = {
+    "decode q": lambda: paged_decode(torch.randn(1, 4, 64).to_sparse(), view(), ROWS,
+                                     torch.tensor([5])),
+    "decode rows": lambda: paged_decode(torch.randn(1, 4, 64), view(), ROWS.to_sparse(),
+                                        torch.tensor([5])),
+    "append k": lambda: append_kv(view(), ROWS, torch.tensor([3]),
+                                  torch.randn(1, 2, 64).to_sparse(), torch.randn(1, 2, 64)),
+    "slot_mapping rows": lambda: slot_mapping(view(), ROWS.to_sparse(), torch.tensor([3])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_sparse_tensors_are_refused_typed(name: str) -> None:
+    with pytest.raises(InvalidArgument, match="dense"):
+        SPARSE[name]()  # old code: torch's RuntimeError / NotImplementedError
+
+
+def test_a_checked_write_whose_kernel_failed_is_no_write(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from ninfer_kv.kernels import append
+
+    s = KVStore.open(StoreConfig(model=ModelGeometry(layers=1, kv_heads=2, head_dim=64),
+                                 serving=ServingConfig(max_context=1024, max_concurrency=2),
+                                 kv_tokens=16 * 64, checked=True))
+    a = s.activate(10, 10)
+    s.ensure_mapped(a, "main", 10)
+    k = torch.randn(10, 2, 64)
+
+    def interrupted(*args: object) -> None:  # a kernel that never ran (an interrupt, a
+        raise KeyboardInterrupt              # conversion that failed after the checks)
+
+    with s.boundary():
+        rows = s.table_rows("main", [a]).repeat(10)
+        with monkeypatch.context() as m:
+            m.setattr(append, "_append_serial", interrupted)
+            m.setattr(append, "_append_cpu", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                append_kv(s.batch_view("main", 0), rows[:2], torch.arange(2), k[:2], k[:2])
+        append_kv(s.batch_view("main", 0), rows[2:], torch.arange(2, 10), k[2:], k[2:])
+    before = s.digest()
+    with pytest.raises(WritePermissionError, match="never wrote"):
+        s.commit(a, "main", 10)  # old code: accepted, tokens 0 and 1 never written
+    assert s.digest() == before
+    s.close()
