@@ -338,7 +338,8 @@ class Follower:
             if store._written:
                 forget_written(store, events)
         except (*APPLY_ERRORS, KVStoreError, RuntimeError, OSError) as exc:  # an msync too
-            self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
+            store._unjournaled += events  # applied here, maybe not journaled: never reported
+            self.failed = f"record {seq}: {type(exc).__name__}: {exc}"  # as surviving
             log.error("replica.failed", reason=self.failed)
             raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc
         store.stats["records"] += 1

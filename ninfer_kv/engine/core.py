@@ -64,6 +64,7 @@ class StoreCore:
         self.device = device or DeviceState({k.value: g for k, g in plan.layout.pools.items()},
                                             plan.C, plan.L, config.device,
                                             config.allocate_planes)
+        self._journaled = journal is not None  # close() drops the journal, not this fact
         self._pending: list[Any] = []
         # events applied to the state that no record holds for sure: a failed command's, and
         # every event of the boundary that failed (its records may be torn or unsynced).
@@ -288,7 +289,9 @@ class StoreCore:
         ``SystemExit`` stop it too, and reach the engine unchanged)."""
         self._in_boundary = []
         try:
-            return self._publish_record_unguarded()
+            seq = self._publish_record_unguarded()
+            self._in_boundary = []  # all of it is journaled: a later failure is not its
+            return seq
         except BaseException as exc:
             self._fail("boundary", exc)
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as ``command``

@@ -109,7 +109,7 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena
     # (a checkpoint without pages needs none); and the journal holds what established it
-    survives = (store.journal is not None and not b.active  # no journal: no restart keeps it
+    survives = (store._journaled and not b.active  # no journal: no restart keeps it
                 and all(r.host_pages == r.pages for r in pools.values())
                 and (st.host_persistent == 1 or all(r.pages == 0 for r in pools.values())))
     if survives:  # ... in the journal, too: not while an event it depends on is only in memory

@@ -36,6 +36,7 @@ class Txn(Protocol):
     fault_hook: Callable[[str, str], None] | None
     _pending: list[Any]
     _unjournaled: list[Any]    # applied, but no record holds them for sure (a failure's)
+    _journaled: bool           # opened with a journal (still true after close)
     _effects: list[Any]        # ev.CopyTail | ev.DeviceRestore, run in emission order
     _transfers: list[Any]      # host.Transfer, run after the table writes
     _unpin_drops: set[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it

@@ -357,7 +357,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert (r.pages, r.device_pages, r.host_pages, r.sole_device_pages,
                         r.idle_device_pages, r.sole_host_pages) == (
                             len(pages), dev, hst, sole, idle, sole_host), (b, pool)
-            survives = (self.store.journal is not None and not bundle.active
+            survives = (self.store._journaled and not bundle.active
                         and unrecoverable_reason(st, b) is None
                         and (st.host_persistent == 1
                              or all(r.pages == 0 for r in info.pools.values())))

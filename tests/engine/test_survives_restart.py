@@ -130,3 +130,59 @@ def test_every_event_type_is_classified() -> None:
         bundle: int
 
     assert info.may_establish(Unclassified(99), 1, {})  # counted, whatever it names
+
+
+def test_a_later_failure_does_not_unjournal_the_last_good_boundary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of 99ff519: the boundary's events were kept after it succeeded, so a snapshot's
+    ENOSPC later counted them as unjournaled."""
+    import ninfer_kv.journal.log as jlog
+
+    s = KVStore.open(cfg(tmp_path))
+    ck = checkpoint_at(s, 200)
+    s.offload(ck)
+    step(s)
+    assert s.checkpoint_info(ck).survives_restart
+
+    def enospc(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jlog, "replace_durably", enospc)
+    with pytest.raises(StoreFailed, match="snapshot"):
+        s.snapshot()
+    monkeypatch.undo()
+    assert s.checkpoint_info(ck).survives_restart
+    s.close()
+    assert s.checkpoint_info(ck).survives_restart  # a closed store had a journal too
+    s2 = KVStore.open(cfg(tmp_path))
+    assert ck in s2.recovery.kept
+    s2.close()
+
+
+def test_a_standby_that_could_not_journal_a_record_does_not_report_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of 99ff519: the follower path applied the record, failed to journal it, and still
+    reported the checkpoint it made as surviving; the promotion dropped it."""
+    from ninfer_kv.dist import StreamBroken
+    from ninfer_kv.dist import standby as sb
+    from ninfer_kv.errors import JournalFailed
+    from tests.dist.test_standby import pair
+
+    store, leader, standby, _ = pair(tmp_path)
+    ck = store.finish(store.activate(10, 1), retain=True)  # no pages: the journal alone
+    assert ck is not None
+
+    def full(store_: object, events: list[Any]) -> int:
+        raise JournalFailed("write of record 2: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(sb, "persist", full)
+    with pytest.raises(StreamBroken):
+        with leader.boundary():
+            pass
+    monkeypatch.undo()
+    assert standby.failed is not None
+    assert not standby.store.checkpoint_info(ck).survives_restart
+    promoted = standby.promote()
+    assert ck not in promoted.recovery.kept
+    promoted.close()
+    store.close()
