@@ -114,16 +114,13 @@ def validate(model: ModelGeometry, serving: ServingConfig) -> None:
     if _integer("allowance_bytes", serving.allowance_bytes) < 0:
         raise ConfigError(f"allowance_bytes={serving.allowance_bytes} must be >= 0")
     bytes_per_token_head(model.profile, model.head_dim)  # raises on group divisibility
-    for name, v in (("mtp_layers", model.mtp_layers), ("draft_layers", model.draft_layers),
-                    ("draft_kv_heads", model.draft_kv_heads),
-                    ("draft_head_dim", model.draft_head_dim),
-                    ("draft_window", serving.draft_window)):
-        if v < 0:  # a backend not in use ignores it, but the plan journals it: no nonsense
-            raise ConfigError(f"{name}={v} must be >= 0 (a count, even where the backend "
-                              f"{serving.backend.value!r} does not use it)")
+    # the fields of a backend not in use are ignored, whatever they hold: a journal written
+    # with one (say mtp_layers=-1 without MTP) must stay openable with the same config
     if serving.backend is Backend.MTP:
         _positive(mtp_layers=model.mtp_layers, draft_window=serving.draft_window)
     if serving.backend is Backend.DFLASH and model.draft_layers:
+        if model.draft_layers < 0:
+            raise ConfigError(f"draft_layers={model.draft_layers} must be >= 0")
         _positive(draft_kv_heads=model.draft_kv_heads, draft_head_dim=model.draft_head_dim)
 
 

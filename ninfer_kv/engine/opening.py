@@ -12,8 +12,8 @@ The order is the rule (issue: "a refused open has already truncated the arena"):
    with the configuration, and the host arena's identity token with the journal's
    (``_check_arena``) — a mismatch raises ``ConfigError`` with every file as it was;
 5. device planes, block tables and an in-memory host arena are allocated (CPU planes larger
-   than the machine's free memory are refused first, ``_check_fits``; an allocation failure
-   is a ``ConfigError``, still before any file changed);
+   than all the memory the process could hold are refused first, ``_check_fits``; an
+   allocation failure is a ``ConfigError``, still before any file changed);
 6. only now: the journal's torn tail is cut and a new segment started, the host arena file
    is mapped (and sized), and the restart cleanup record is written and synced.
 
@@ -151,39 +151,47 @@ def _allocate(what: str, make: Callable[[], T]) -> T:
                           ) from None
 
 
-def memory_available() -> int | None:
-    """Bytes this machine can still hand out without the OOM killer: ``MemAvailable`` plus
-    ``SwapFree`` of ``/proc/meminfo`` (None where there is no such file)."""
+def memory_limit() -> int | None:
+    """The most memory this process could ever hold: ``MemTotal + SwapTotal`` of
+    ``/proc/meminfo``, or its cgroup's ``memory.max`` (v2) when that is lower; None where
+    neither is known. A bound, not what is free now: caches (the page cache, ZFS's ARC) give
+    memory back on demand, so only planes past this bound are sure never to fit."""
+    kib: dict[str, int] = {}
     try:
         with open("/proc/meminfo", "rb") as f:
-            lines = f.read().decode("ascii", "replace").splitlines()
+            for line in f.read().decode("ascii", "replace").splitlines():
+                name, _, rest = line.partition(":")
+                words = rest.split()
+                if name in ("MemTotal", "SwapTotal") and words and words[0].isdigit():
+                    kib[name] = int(words[0])
     except OSError:
-        return None
-    kib = {}
-    for line in lines:
-        name, _, rest = line.partition(":")
-        words = rest.split()
-        if name in ("MemAvailable", "SwapFree") and words and words[0].isdigit():
-            kib[name] = int(words[0])
-    if "MemAvailable" not in kib:
-        return None
-    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+        pass
+    limit = (kib["MemTotal"] + kib.get("SwapTotal", 0)) * 1024 if "MemTotal" in kib else None
+    try:
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            cap = f.read().strip()
+        if cap.isdigit():
+            limit = int(cap) if limit is None else min(limit, int(cap))
+    except OSError:
+        pass
+    return limit
 
 
 def _check_fits(plan: CapacityPlan, config: StoreConfig) -> None:
     """CPU planes are zero-filled at open, so every byte of them is touched at once. Planes
-    larger than the memory this machine has free would not fail as an allocation error: the
-    kernel's OOM killer would end the process (an outside review's probe took 24 GB that
-    way). They are refused here, before any file changes, naming both sizes. A CUDA device's
-    allocator raises on its own (``_allocate`` types it)."""
+    larger than all the memory this process could hold (``memory_limit``) would not fail as
+    an allocation error: the kernel's OOM killer would end the process (an outside review's
+    probe took 24 GB that way). They are refused here, before any file changes, naming both
+    sizes. A CUDA device's allocator raises on its own (``_allocate`` types it)."""
     if not config.allocate_planes or torch.device(config.device).type != "cpu":
         return
     need = sum(g.total_bytes for g in plan.layout.pools.values())
-    have = memory_available()
-    if have is not None and need > have:
+    limit = memory_limit()
+    if limit is not None and need > limit:
         raise ConfigError(f"cannot allocate device planes: the plan needs {need:,} bytes of "
-                          f"CPU memory and this machine has {have:,} available (MemAvailable "
-                          "+ SwapFree); lower kv_tokens or the model geometry")
+                          f"CPU memory and this process can hold at most {limit:,} (MemTotal "
+                          "+ SwapTotal, or its cgroup's memory.max); lower kv_tokens or the "
+                          "model geometry")
 
 
 def _check_dir(name: str, path: str) -> None:
