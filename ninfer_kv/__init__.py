@@ -16,15 +16,23 @@ import structlog
 class LogSink:
     """Where the library's default log lines go: the *current* ``sys.stderr`` (not the one of
     import time), or, while ``held`` is a list, that list — the CLI holds them while a command
-    runs, so a command that fails says so in one line (tools/cli.py)."""
+    runs, so a command that fails says so in one line (tools/cli.py). Past ``HOLD_MAX``
+    pieces (a long command logging at debug) the held ones are written and the rest go out
+    as they come."""
 
+    HOLD_MAX = 256
     held: list[str] | None = None
 
     def write(self, text: str) -> None:
-        if self.held is not None:
-            self.held.append(text)
-        else:
+        held = self.held
+        if held is None:
             sys.stderr.write(text)
+        elif len(held) < self.HOLD_MAX:
+            held.append(text)
+        else:
+            sys.stderr.write("".join(held) + text)
+            held.clear()
+            self.held = None
 
     def flush(self) -> None:
         if self.held is None:

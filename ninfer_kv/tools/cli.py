@@ -3,15 +3,18 @@
 Errors — a ``KVStoreError``, an ``OSError`` (a missing trace, an unreadable file) or an
 argument out of range — become one ``error:`` line on stderr and exit code 2, never a
 traceback and never exit 0. The library's log lines (a torn tail cut, a snapshot skipped) are
-held while a command runs: printed to stderr after it succeeds, dropped when it fails, so the
-error stays one line (what they said is in the error or the command's own output).
+held while a command runs: printed to stderr after it succeeds (or is ended by SIGTERM or
+Ctrl-C), dropped when it fails, so the error stays one line (what they said is in the error or
+the command's own output); past ``LogSink.HOLD_MAX`` they stream as they come.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
@@ -46,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     held: list[str] = []
     LOG_SINK.held = held
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM (timeout, systemd)
+        previous = signal.signal(signal.SIGTERM, _terminated)  # unwinds: held lines written
     try:
         code = _COMMANDS[args.command](args, console)
     except BrokenPipeError:  # `ninfer-kv dump DIR | head`: the reader left, nothing to say
@@ -60,7 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         LOG_SINK.held = None
         sys.stderr.write("".join(held))
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return code
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the shell's code for a process ended by the signal
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -131,3 +131,57 @@ def test_a_closed_pipe_is_not_an_error(dirs: dict[str, str], tmp_path: Path) -> 
                        "| head -1", shell=True, capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.stdout.count("\n") == 1 and "error" not in r.stderr, r.stderr[-500:]
+
+
+def test_held_log_lines_are_printed_when_the_command_succeeds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A command that succeeds on a torn journal prints the library's journal.cut warning
+    (held while it ran), after its output."""
+    s = KVStore.open(small_config(tmp_path))
+    for _ in range(3):
+        s.finish(s.activate(64, 10))
+        with s.boundary():
+            pass
+    s.close()
+    seg = sorted((tmp_path / "journal").glob("seg-*.log"))[-1]
+    os.truncate(seg, seg.stat().st_size - 3)  # the last record torn, as a crash leaves it
+    code, err = run_cli(["replay", str(tmp_path / "journal"), "--json"], capsys)
+    assert code == 0 and "journal.cut" in err, err[-500:]
+
+
+def test_held_log_lines_stream_past_the_cap(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from ninfer_kv import LOG_SINK
+
+    monkeypatch.setattr(LOG_SINK, "HOLD_MAX", 3)
+    held: list[str] = []
+    monkeypatch.setattr(LOG_SINK, "held", held)
+    for i in range(3):
+        LOG_SINK.write(f"line {i}\n")
+    assert capsys.readouterr().err == "" and len(held) == 3
+    LOG_SINK.write("line 3\n")  # past the cap: what was held, then this, and no more holding
+    assert capsys.readouterr().err == "line 0\nline 1\nline 2\nline 3\n"
+    assert LOG_SINK.held is None and not held
+    LOG_SINK.write("line 4\n")
+    assert capsys.readouterr().err == "line 4\n"
+
+
+def test_held_log_lines_survive_a_sigterm(tmp_path: Path) -> None:
+    """Review of 737d725: a long command ended by SIGTERM (timeout, systemd) lost every line
+    it had logged; the CLI now unwinds on SIGTERM and writes them."""
+    import signal
+    import time
+
+    j = tmp_path / "j"
+    p = subprocess.Popen([sys.executable, "-m", "ninfer_kv.tools.cli", "simulate", "--offload",
+                          "--limit", "100000", "--journal", str(j), "--json"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "NINFER_KV_LOG": "debug"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(j.glob("seg-*.log")):
+        time.sleep(0.1)  # the store is open: journal.segment (debug) was logged
+    time.sleep(1)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-300:])
+    assert b"journal.segment" in err, err[-300:]
