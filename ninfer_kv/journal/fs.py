@@ -66,8 +66,16 @@ def open_private(path: str, flags: int) -> int:
     created file 0600 regardless of umask. The open itself does not block (``O_NONBLOCK``,
     cleared once the file is known to be regular): a FIFO under a segment's name would
     otherwise hang every reader in ``open(2)`` until some writer appeared (an outside
-    review's repro); it is refused like a directory, as an ``OSError`` naming the path."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, FILE_MODE)
+    review's repro); it is refused like a directory, as an ``OSError`` naming the path. A
+    regular file under a kernel lease answers a non-blocking open with EWOULDBLOCK: it is
+    opened again, blocking, as before."""
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, FILE_MODE)
+    except BlockingIOError:  # a regular file under a kernel lease (F_SETLEASE, an SMB oplock)
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # answers EWOULDBLOCK without O_NONBLOCK
+            raise                                    # it waits for the holder, as it always did
+        fd = os.open(path, flags, FILE_MODE)
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):

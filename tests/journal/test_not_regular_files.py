@@ -79,3 +79,41 @@ def test_a_host_arena_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
     os.mkfifo(arena)
     with pytest.raises(KVStoreError, match="not a regular file"):
         KVStore.open(cfg)
+
+
+@pytest.mark.timeout(60)
+def test_a_regular_file_under_a_lease_is_waited_for_not_refused(tmp_path: Path) -> None:
+    """Review of dc10b53: a non-blocking open of a regular file another process holds a read
+    lease on (F_SETLEASE: Samba oplocks, indexing agents) fails with EWOULDBLOCK at once;
+    the blocking open waits for the holder to release it, as before."""
+    import subprocess
+    import textwrap
+
+    cfg = small_config(tmp_path, host_bytes=8 << 20, persist_dir=str(tmp_path / "p"),
+                       journal_dir=None)
+    KVStore.open(cfg).close()
+    arena = next(p for p in (tmp_path / "p").iterdir() if p.is_file() and p.suffix != ".id"
+                 and p.name != "LOCK")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, signal, time
+        fd = os.open({str(arena)!r}, os.O_RDONLY)
+        def release(*a):  # a cooperative holder: it lets go when the kernel breaks the lease
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        signal.signal(signal.SIGIO, release)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as exc:
+            print("no lease:", exc, flush=True)
+            raise SystemExit(0)
+        print("leased", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        if line != b"leased\n":  # this file system or kernel gives no leases: nothing to test
+            pytest.skip(f"no file lease here: {line!r}")
+        KVStore.open(cfg).close()  # old code: refused at once, [Errno 11]
+    finally:
+        holder.kill()
+        holder.wait()
