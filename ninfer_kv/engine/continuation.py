@@ -101,6 +101,12 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                                 f"committed frontier {sp.committed} (§9.2)")
         if f > prompt_tokens:
             raise FrontierError(f"frontier {f} > prompt_tokens {prompt_tokens}")
+        if carry_metadata and f != sp.committed:  # the metadata describes all of it (its
+            raise InvalidArgument(  # token ids): a prefix of it would get another's tokens
+                f"activate_from({checkpoint}, carry_metadata=True): frontier {f} in pool "
+                f"{pool} is below the checkpoint's committed {sp.committed}; its metadata "
+                "describes the whole checkpoint, so only a continuation of all of it carries "
+                "it (set the new sequence's own metadata instead)")
         plans.append(_Plan(pool, p, sp.i, f, store.entitlement_pages(pool, prompt_tokens, total)))
     want_move = mode == "move" or (mode == "auto" and not keep_source)
     for pl in plans:                                            # 2. reserve

@@ -338,7 +338,9 @@ class KVStore(StoreCore):
                       max_output_tokens: int, *, keep_source: bool = True,
                       mode: str = "auto", carry_metadata: bool = False) -> int:
         """Continue from ``checkpoint`` at token ``frontier`` (one int, or one per pool).
-        Move or Fork is decided from the real references (engine/continuation.py)."""
+        Move or Fork is decided from the real references (engine/continuation.py).
+        ``carry_metadata``: the new sequence gets the checkpoint's metadata (a preempted
+        request resumed); only at its whole committed frontier, which the metadata describes."""
         self._usable("activate_from")
         return continuation.activate_from(self, checkpoint, frontier, prompt_tokens,
                                           max_output_tokens, mode, keep_source, carry_metadata)

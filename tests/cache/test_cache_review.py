@@ -55,6 +55,17 @@ def test_swap_in_keeps_the_metadata_so_a_rebuilt_index_finds_the_checkpoint(
     assert s.digest() == digest
     other = s.activate_from(ck, 64, 100, 10)          # carry_metadata defaults to False
     assert s.checkpoint_info(other).metadata is None
+    # review (2026-12-03): carried to a prefix, its token ids named tokens the new KV does
+    # not hold, and PrefixIndex.from_store then served them as the checkpoint's
+    after = s.digest()
+    with pytest.raises(InvalidArgument, match="frontier 64 in pool main is below the "
+                                              "checkpoint's committed 100"):
+        s.activate_from(ck, 64, 100, 10, carry_metadata=True)
+    with pytest.raises(InvalidArgument, match="carry_metadata=True"):
+        s.activate_from(ck, {"main": 64}, 100, 10, carry_metadata=True)
+    assert s.digest() == after
+    whole = s.activate_from(ck, 100, 110, 10, carry_metadata=True)  # all of it: carried
+    assert s.checkpoint_info(whole).metadata == {"tokens": tokens}
     s.check_invariants()
 
 
