@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.layout import Codec, P, PlaneOrder, Profile
 from ninfer_kv.errors import InvalidArgument
 from ninfer_kv.kernels.checks import check_devices, check_index, check_view
@@ -42,7 +43,17 @@ class TypedPlanes:
 
 
 def typed_planes(view: PagedKVLayerView | PagedKVBatchLayerView) -> TypedPlanes:
-    """The view's integer storage planes as the dtypes torch (and FlashInfer) name them."""
+    """The view's integer storage planes as the dtypes torch (and FlashInfer) name them;
+    the view is checked as the kernels check it (``check_view``), so planes its profile does
+    not store are refused, not reinterpreted."""
+    if isinstance(view, PagedKVLayerView):  # one row: checked as a batch of that row
+        table = view.block_table
+        check_view(PagedKVBatchLayerView(
+            view.k_pages, view.v_pages, view.k_scale_pages, view.v_scale_pages,
+            table.unsqueeze(0) if isinstance(table, torch.Tensor) else table, view.head_dim,
+            view.num_kv_heads, view.storage, view.order), "typed_planes")
+    else:
+        check_view(view, "typed_planes")
     kc, vc = view.storage.codecs
 
     def scale(t: torch.Tensor | None, codec: Codec) -> torch.Tensor | None:
@@ -114,6 +125,9 @@ class PagedKVBatchLayerView:
     guard: WriteCheck | None = None
 
     def row_view(self, row: int) -> PagedKVLayerView:
+        """§12.1's view of table row ``row`` (``0 <= row < C``: a negative row would wrap to
+        another sequence's row)."""
+        row = as_int("row", row, lo=0, hi=self.block_tables.shape[0] - 1)
         return PagedKVLayerView(self.k_pages, self.v_pages, self.k_scale_pages,
                                 self.v_scale_pages, self.block_tables[row], self.head_dim,
                                 self.num_kv_heads, self.storage, self.order, self.guard)

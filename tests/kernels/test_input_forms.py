@@ -23,6 +23,7 @@ from ninfer_kv import (
     append_kv,
     paged_decode,
     paged_prefill,
+    paged_prefill_varlen,
     slot_mapping,
 )
 from ninfer_kv.engine.layout import PlaneOrder, Profile
@@ -106,3 +107,48 @@ def test_a_checked_write_whose_kernel_failed_is_no_write(monkeypatch: pytest.Mon
         s.commit(a, "main", 10)  # old code: accepted, tokens 0 and 1 never written
     assert s.digest() == before
     s.close()
+
+
+def test_zero_query_heads_are_refused_typed() -> None:
+    """Review: the tiled varlen path raised a bare ValueError (max() of nothing) for q with no
+    head; decode and the untiled path returned an empty answer. All refuse it now."""
+    rows = torch.tensor([0], dtype=torch.int32)
+    q = torch.randn(3, 0, 64)
+    calls = [lambda: paged_decode(q, view(), rows.repeat(3), torch.tensor([1, 2, 3])),
+             lambda: paged_prefill_varlen(q, view(), rows, torch.tensor([0, 3]),
+                                          torch.tensor([3]), tiled=False),
+             lambda: paged_prefill_varlen(q, view(), rows, torch.tensor([0, 3]),
+                                          torch.tensor([3]))]
+    for call in calls:
+        with pytest.raises(InvalidArgument, match="Hq a positive multiple of H"):
+            call()
+
+
+def test_typed_planes_checks_its_view() -> None:
+    """Review: typed_planes(None) raised AttributeError, and float32 planes under BF16 were
+    reinterpreted silently as bfloat16 of twice the width."""
+    from ninfer_kv import typed_planes
+
+    with pytest.raises(InvalidArgument):
+        typed_planes(None)  # type: ignore[arg-type]
+    planes = torch.zeros(2, 4, 2, 64, 64, dtype=torch.float32)
+    bad = PagedKVBatchLayerView(planes[0], planes[1], None, None,
+                                torch.zeros(2, 4, dtype=torch.int32), 64, 2, Profile.BF16,
+                                PlaneOrder.PAGE_MAJOR)
+    with pytest.raises(InvalidArgument):
+        typed_planes(bad)
+    with pytest.raises(InvalidArgument):
+        typed_planes(bad.row_view(0))
+    good = view()
+    assert typed_planes(good).k.dtype == torch.bfloat16
+    assert typed_planes(good.row_view(1)).v.shape == good.v_pages.shape
+
+
+def test_row_view_takes_only_a_row_of_the_table() -> None:
+    """Review: row_view(-1) gave the last row's table (another sequence's pages), a row past C
+    a bare IndexError, and True was taken for row 1."""
+    v = view()
+    for bad in (-1, 2, True, 0.0):
+        with pytest.raises(InvalidArgument):
+            v.row_view(bad)  # type: ignore[arg-type]
+    assert torch.equal(v.row_view(1).block_table, v.block_tables[1])

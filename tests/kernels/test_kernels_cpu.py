@@ -134,5 +134,5 @@ def test_kernels_reject_bad_geometry() -> None:
     with pytest.raises(ValueError, match="heads"):
         append_kv(view, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, 3, 64), torch.zeros(1, 3, 64))
-    with pytest.raises(ValueError, match="Hq % H"):
+    with pytest.raises(ValueError, match="Hq a positive multiple of H"):
         paged_decode(torch.zeros(1, 3, 64), view, torch.tensor([0]), torch.tensor([1]))
