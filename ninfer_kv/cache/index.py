@@ -93,6 +93,11 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 class PrefixIndex:
     def __init__(self, block: int = 64, chain: Any = blake2b_chain, seed: bytes = SEED) -> None:
         self.block = as_int("block", block, lo=1)
+        if not callable(chain):
+            raise InvalidArgument(f"PrefixIndex: chain={chain!r} must be a callable "
+                                  "(parent key, block tokens) -> key")
+        if not isinstance(seed, bytes | bytearray | memoryview):  # bytes(5) is 5 zero bytes
+            raise InvalidArgument(f"PrefixIndex: seed={seed!r} must be bytes")
         self._chain_fn = chain
         self._seed = bytes(seed)
         self._holders: dict[bytes, dict[int, None]] = {}  # ordered: newest holder last

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from ninfer_kv.engine.args import as_int
+from ninfer_kv.engine.args import a_store, as_int
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import HostArenaError, InvalidArgument
 
@@ -46,6 +46,7 @@ def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
     above S) change nothing. The checkpoint keeps the sequence's id (``finish`` retains it
     in place), so an engine interrupted before this returns loses nothing: the checkpoint
     is ``seq``, its frontiers are ``store.space(seq, pool).committed``."""
+    a_store(store, "swap_out")
     seq = as_int("seq", seq)
     budget = as_int("budget", budget)
     frontier = {pool: store.space(seq, pool).committed for pool in store.pools}
@@ -73,6 +74,7 @@ def swap_in(store: KVStore, swapped: Swapped) -> int:
     ``CapacityExhausted`` (nothing changed) when the device cannot hold its pages and budget
     yet. Its pages keep their host replicas (a later ``swap_out`` reuses the ones still valid)
     until ``store.drop_host(seq)`` after the boundary that restored them frees the extents."""
+    a_store(store, "swap_in")
     if not isinstance(swapped, Swapped) or not isinstance(swapped.frontier, dict) \
             or not swapped.frontier:
         raise InvalidArgument(f"swap_in: {swapped!r} is not the Swapped that swap_out returned")

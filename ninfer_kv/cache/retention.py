@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from ninfer_kv.engine.args import as_int
+from ninfer_kv.engine.args import a_store, as_int
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.state import MAX_BUNDLE
 from ninfer_kv.engine.store import KVStore
@@ -79,6 +79,9 @@ class LruRetention:
                  block_tokens: int | None = None) -> None:
         self.entries: dict[int, Entry] = {}
         self.by_block: dict[Hashable, set[int]] = {}
+        if priority is not None and not callable(priority):
+            raise InvalidArgument(f"LruRetention: priority={priority!r} must be a callable "
+                                  "checkpoint -> int, or None")
         self.priority = priority or (lambda ck: 0)
         # tokens per key block; None: no tail-first trims
         self.block_tokens = None if block_tokens is None else as_int("block_tokens",
@@ -170,6 +173,7 @@ class LruRetention:
         Returns "demote", "release", "trim" or None: releasing would free no device page — running
         sequences or checkpoints this policy does not hold map them — so the checkpoints
         stay and their prefixes stay findable."""
+        a_store(store, "make_room")
         if short is not None:
             short = as_int("short", short, lo=0)
         self.forget_gone(store)
@@ -292,6 +296,7 @@ class LruRetention:
         on the device (the checkpoint stays cached there), else it is released, if that frees
         an extent (a page it holds alone). Returns "drop_host", "release" or None (nothing in
         the host tier to free)."""
+        a_store(store, "make_host_room")
         self.forget_gone(store)
         for ck in self.victims():
             if ck == keep:

@@ -94,6 +94,13 @@ def one_pair(bname: str, bundle: Any, vname: str, value: Any) -> tuple[np.ndarra
     return pair[:1], pair[1:]
 
 
+def a_store(store: Any, who: str) -> None:  # noqa: ANN401
+    """``store`` is a store (it has a state and commands), else ``InvalidArgument`` naming
+    ``who``: the helpers over a store (cache/) would otherwise fail on its first attribute."""
+    if not (hasattr(getattr(store, "state", None), "bundles") and hasattr(store, "activate")):
+        raise InvalidArgument(f"{who}: {store!r} is not a KVStore")
+
+
 def duplicated(values: np.ndarray) -> list[int]:
     """The values that appear more than once in ``values`` (sorted; empty when none)."""
     if len(values) < 2:

@@ -8,12 +8,13 @@ continues another prompt's KV (forced hash collisions, byte shadows, restarts)."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from ninfer_kv import KVStore
-from ninfer_kv.cache import LruRetention, PrefixIndex, swap_in, swap_out
+from ninfer_kv.cache import LruRetention, PrefixIndex, Swapped, swap_in, swap_out
 from ninfer_kv.engine import args
 from ninfer_kv.errors import InvalidArgument, UnknownHandle
 from tests.engine.conftest import small_config
@@ -128,3 +129,21 @@ def test_bad_index_inputs_are_typed() -> None:
     with pytest.raises(InvalidArgument, match="hash_seed=5 must be a str"):
         PrefixIndex.vllm(hash_seed=5)  # type: ignore[arg-type]
     assert PrefixIndex.vllm(hash_seed="5").block == 16
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PrefixIndex(seed="abc"),           # was TypeError
+    lambda: PrefixIndex(seed=5),               # was five zero bytes, silently
+    lambda: PrefixIndex(chain=5),              # was TypeError at the first add
+    lambda: LruRetention(priority=5),          # was TypeError at the first victims()
+    lambda: LruRetention().make_room(None),    # these: AttributeError
+    lambda: LruRetention().make_host_room(None),
+    lambda: swap_out(None, 1, 10),
+    lambda: swap_in(None, Swapped(1, {"main": 64}, 100, False)),
+], ids=["seed-str", "seed-int", "chain", "priority", "make_room", "make_host_room",
+        "swap_out", "swap_in"])
+def test_the_cache_helpers_check_their_arguments(make: Any) -> None:  # noqa: ANN401
+    """An outside review (2026-12-03): the cache layer's constructors and its store argument
+    were not checked."""
+    with pytest.raises(InvalidArgument):
+        make()
