@@ -183,9 +183,10 @@ KERNELS = ["tests/kernels/test_wrapper_checks.py", "tests/kernels/test_wrapper_r
            "tests/engine/test_trust_isolation.py",
            "tests/engine/test_trust_errors.py",
            "tests/kernels/test_store_kernels.py", "tests/kernels/test_codecs.py",
-           "tests/kernels/test_kernels_cpu.py", "tests/kernels/test_serial_twins.py"]
+           "tests/kernels/test_kernels_cpu.py", "tests/kernels/test_serial_twins.py",
+           "tests/kernels/test_input_forms.py"]
 OPENING = [*ENGINE, "tests/engine/test_store_paths.py", "tests/engine/test_open_limits.py",
-           "tests/kernels/test_store_kernels.py",
+           "tests/kernels/test_store_kernels.py", "tests/cache/test_cache_review.py",
            "tests/tools/test_cli*.py"]
 
 TESTS: list[tuple[str, list[str], list[str]]] = [

@@ -335,11 +335,10 @@ class Follower:
                 store.arena.flush()  # a standby's file: durable before its HostPublish is
             if store.journal is not None:
                 st.seq = standby.persist(store, kept)
-            if store._written:
-                forget_written(store, events)
+            forget_written(store, events)
         except (*APPLY_ERRORS, KVStoreError, RuntimeError, OSError) as exc:  # an msync too
-            store._unjournaled += events  # applied here, maybe not journaled: never reported
-            self.failed = f"record {seq}: {type(exc).__name__}: {exc}"  # as surviving
+            store._unjournaled += events  # applied, maybe unjournaled: reported as not durable
+            self.failed = f"record {seq}: {type(exc).__name__}: {exc}"
             log.error("replica.failed", reason=self.failed)
             raise ReplicaDiverged(f"follower stopped: {self.failed}") from exc
         store.stats["records"] += 1

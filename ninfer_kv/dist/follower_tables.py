@@ -17,7 +17,9 @@ from ninfer_kv.journal import events as ev
 def forget_written(store: KVStore, events: list[Any]) -> None:
     """Checked mode: drop the written positions the leader's commands dropped (a commit: the
     positions below; a finish, a trim, a truncate: those above must be written again), or
-    they pile up forever."""
+    they pile up forever. Nothing to do when nothing is recorded (not checked mode)."""
+    if not store._written:
+        return
     for e in events:
         if isinstance(e, ev.CommitFrontiers):
             checked.forget_committed(store, e.pool, ev.unpack(e.bundles).tolist(),
