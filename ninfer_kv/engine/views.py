@@ -71,8 +71,8 @@ def slot_mapping(view: PagedKVBatchLayerView, table_rows: torch.Tensor,
     naming no page group of the planes (damage: the store publishes none) is refused, as
     ``append_kv`` refuses it: a writer given its slot would write past the pool."""
     check_view(view, "slot_mapping")
-    check_index(table_rows, "table_rows", "slot_mapping")  # a float is refused, never
-    check_index(positions, "positions", "slot_mapping")    # truncated to a position
+    table_rows = check_index(table_rows, "table_rows", "slot_mapping")  # a float: refused,
+    positions = check_index(positions, "positions", "slot_mapping")  # never truncated
     check_devices(view, "slot_mapping", table_rows=table_rows, positions=positions)
     pos, rows = positions.to(torch.int64), table_rows.to(torch.int64)
     c, logical = view.block_tables.shape

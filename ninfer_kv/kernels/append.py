@@ -107,8 +107,8 @@ def append_kv(view: Any, table_rows: torch.Tensor, positions: torch.Tensor, k: t
               v: torch.Tensor, *, force_cuda_sim: bool = False) -> None:
     check_values(k, "k", "append_kv", 3)
     check_values(v, "v", "append_kv", 3)
-    check_index(table_rows, "table_rows", "append_kv")
-    check_index(positions, "positions", "append_kv")
+    table_rows = check_index(table_rows, "table_rows", "append_kv")
+    positions = check_index(positions, "positions", "append_kv")
     check_view(view, "append_kv")  # first: what follows reads the view's fields
     if k.shape != v.shape or k.dim() != 3 or k.shape[0] != table_rows.shape[0] or \
             positions.shape != table_rows.shape or table_rows.dim() != 1:

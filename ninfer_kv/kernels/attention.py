@@ -309,8 +309,8 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
                  n_split: int | None = None, force_cuda_sim: bool = False) -> torch.Tensor:
     check_values(q, "q", "paged_decode", 3)
     sm_scale, n_split = attention_options("paged_decode", sm_scale, n_split)
-    check_index(table_rows, "table_rows", "paged_decode")
-    check_index(context_lens, "context_lens", "paged_decode")
+    table_rows = check_index(table_rows, "table_rows", "paged_decode")
+    context_lens = check_index(context_lens, "context_lens", "paged_decode")
     check_view(view, "paged_decode")  # first: what follows reads the view's fields
     n_rows, hq, d = q.shape
     h_kv = view.num_kv_heads
@@ -362,8 +362,8 @@ def paged_prefill(q: torch.Tensor, view: Any, table_rows: torch.Tensor, start: t
                   **kw: Any) -> torch.Tensor:
     """Causal chunk attention: query t of row b sees positions [0, start[b] + t]."""
     check_values(q, "q", "paged_prefill", 4)
-    check_index(table_rows, "table_rows", "paged_prefill")
-    check_index(start, "start", "paged_prefill")
+    table_rows = check_index(table_rows, "table_rows", "paged_prefill")
+    start = check_index(start, "start", "paged_prefill")
     check_view(view, "paged_prefill")  # what follows reads the view's fields and devices
     check_devices(view, "paged_prefill", q=q, table_rows=table_rows, start=start)
     n_rows, t, hq, d = q.shape

@@ -40,20 +40,26 @@ _SAME_BITS = {torch.uint16: (torch.uint16, torch.int16, torch.bfloat16),
 """Storage dtypes a plane may be handed in as (the same bits: BF16 codes as bfloat16)."""
 
 
-def check_index(t: Any, name: str, who: str, ndim: int = 1) -> None:
+def check_index(t: Any, name: str, who: str, ndim: int = 1) -> torch.Tensor:
     """An integer tensor of ``ndim`` dims (positions, rows, lengths): a float is refused,
-    never truncated, and a list is not taken for a tensor."""
+    never truncated, and a list is not taken for a tensor. Returns it as the wrappers use it:
+    uint16/uint32 (``torch.from_numpy`` of a numpy uint32 array) as int64, since torch has
+    few operations on them (``max``, ``<``); every other dtype outside int8/16/32/64 and
+    uint8 — uint64 from 2**63 has no int64 form, the sub-byte and quantized ones no
+    arithmetic — is refused."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgument(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise InvalidArgument(f"{who}: {name} must be an integer tensor, got {t.dtype}")
-    if t.dtype in _SHELL_UINTS:  # torch implements few ops on them (max, <): the wrappers'
-        # checks would raise NotImplementedError; uint64 from 2**63 has no int64 form either
-        raise InvalidArgument(f"{who}: {name} must be a signed integer or uint8 tensor, got "
-                              f"{t.dtype} (torch has few operations on uint16/32/64)")
+    if t.dtype not in _INDEX_DTYPES and t.dtype not in _WIDENED:
+        raise InvalidArgument(f"{who}: {name} must be an integer tensor (int8/16/32/64 or "
+                              f"uint8/16/32), got {t.dtype}")
     _strided(t, name, who)
     if t.dim() != ndim:
         raise InvalidArgument(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t.to(torch.int64) if t.dtype in _WIDENED else t
+
+
+_INDEX_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+_WIDENED = frozenset((torch.uint16, torch.uint32))
 
 
 def check_values(t: Any, name: str, who: str, ndim: int) -> None:
@@ -65,8 +71,6 @@ def check_values(t: Any, name: str, who: str, ndim: int) -> None:
                               f"{t.dtype} {tuple(t.shape)}")
     _strided(t, name, who)
 
-
-_SHELL_UINTS = frozenset((torch.uint16, torch.uint32, torch.uint64))
 
 
 def _strided(t: torch.Tensor, name: str, who: str) -> None:

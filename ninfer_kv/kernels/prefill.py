@@ -154,9 +154,9 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     ``tiled=False`` runs the per-query decode path instead."""
     check_values(q, "q", "paged_prefill_varlen", 3)
     sm_scale, _ = attention_options("paged_prefill_varlen", sm_scale)
-    check_index(table_rows, "table_rows", "paged_prefill_varlen")
-    check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
-    check_index(context_lens, "context_lens", "paged_prefill_varlen")
+    table_rows = check_index(table_rows, "table_rows", "paged_prefill_varlen")
+    cu_seqlens = check_index(cu_seqlens, "cu_seqlens", "paged_prefill_varlen")
+    context_lens = check_index(context_lens, "context_lens", "paged_prefill_varlen")
     check_view(view, "paged_prefill_varlen")  # first: what follows reads the view's fields
     check_devices(view, "paged_prefill_varlen", q=q, table_rows=table_rows,
                   cu_seqlens=cu_seqlens, context_lens=context_lens)
