@@ -307,7 +307,7 @@ class LruRetention:
                     log.debug("retention.drop_host", checkpoint=ck)
                     return "drop_host"
                 continue      # none, pinned by a queued copy, or every replica another's too
-            pools = store.checkpoint_info(ck).pools.values()
+            pools = store.checkpoint_info(ck, metadata=False).pools.values()
             if not any(r.sole_host_pages for r in pools):
                 continue      # its extents are other holders' too: releasing frees nothing
             store.release(ck)
@@ -325,6 +325,6 @@ class LruRetention:
 def residency(store: KVStore, ck: int) -> tuple[int, int, int]:
     """(pages, device pages, pages with a published host replica) of checkpoint ``ck``,
     summed over its pools."""
-    pools = store.checkpoint_info(ck).pools.values()
+    pools = store.checkpoint_info(ck, metadata=False).pools.values()
     return (sum(r.pages for r in pools), sum(r.device_pages for r in pools),
             sum(r.host_pages for r in pools))

@@ -86,7 +86,7 @@ class StoreMetrics:
         return asdict(self)
 
 
-def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
+def checkpoint_info(store: Txn, bundle: int, metadata: bool = True) -> CheckpointInfo:
     st = store.state
     b = st.bundles.get(bundle)
     if b is None:
@@ -118,7 +118,7 @@ def checkpoint_info(store: Txn, bundle: int) -> CheckpointInfo:
                            for e in (*store._pending, *store._unjournaled))
     return CheckpointInfo(bundle, b.active, main.frontier if main else 0, pools, survives,
                           b.finish_reason, b.parent if b.parent >= 0 else None,
-                          decode_metadata(bundle, b.meta))
+                          decode_metadata(bundle, b.meta) if metadata else None)
 
 
 def decode_metadata(bundle: int, raw: bytes) -> Any:  # noqa: ANN401

@@ -281,10 +281,13 @@ class KVStore(StoreCore):
         metadata_room(f"set_metadata({bundle})", self._pending, len(data))
         self._emit(ev.SetMetadata(bundle, data))
 
-    def checkpoint_info(self, bundle: int) -> info.CheckpointInfo:
+    def checkpoint_info(self, bundle: int, *, metadata: bool = True) -> info.CheckpointInfo:
         """Frontier, residency per pool (device/host pages and bytes), whether it survives a
-        restart, and its metadata — for an active sequence or a checkpoint."""
-        return info.checkpoint_info(self, as_int("checkpoint", bundle))
+        restart, and its metadata (``metadata=False``: not decoded, None) — for an active
+        sequence or a checkpoint."""
+        if not isinstance(metadata, bool):
+            raise InvalidArgument(f"checkpoint_info: metadata={metadata!r} must be a bool")
+        return info.checkpoint_info(self, as_int("checkpoint", bundle), metadata)
 
     def sole_device_pages(self, bundle: int) -> int:
         """Device pages only ``bundle`` references, over its pools: what releasing it frees

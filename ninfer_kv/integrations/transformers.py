@@ -154,7 +154,7 @@ class NinferKVCache(Cache):
                                       "(checkpoint, frontier) pair")
             ck, frontier = as_int("prefix checkpoint", prefix[0]), as_int("prefix frontier",
                                                                           prefix[1])
-            store.checkpoint_info(ck)  # an inactive checkpoint, else a typed refusal
+            store.checkpoint_info(ck, metadata=False)  # a checkpoint, else a typed refusal
             have = store.space(ck, pool).committed  # this pool's frontier (§8.1)
             if not 0 < frontier <= have:
                 raise InvalidArgument(f"NinferKVCache: prefix frontier {frontier} outside "

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from ninfer_kv.cache.index import PrefixIndex
+from ninfer_kv.cache.retention import residency
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import InvalidArgument, StateError
 from ninfer_kv.journal import events as ev
@@ -100,6 +101,8 @@ def test_a_journal_holding_undecodable_metadata_opens_and_reads_typed(tmp_path: 
     s = KVStore.open(cfg)
     with pytest.raises(StateError, match=f"metadata of seq {ck} .* does not decode"):
         s.checkpoint_info(ck)  # before: a raw msgspec.DecodeError
+    assert s.checkpoint_info(ck, metadata=False).metadata is None  # the rest still reads:
+    assert residency(s, ck) == (0, 0, 0)  # a retention policy can still evict it (a review)
     assert s.checkpoint_info(other).metadata == {"tokens": list(range(64))}
     idx = PrefixIndex.from_store(s)  # skips the one it cannot read, keeps the other
     hit = idx.lookup(list(range(64)))
