@@ -101,7 +101,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                                 f"committed frontier {sp.committed} (§9.2)")
         if f > prompt_tokens:
             raise FrontierError(f"frontier {f} > prompt_tokens {prompt_tokens}")
-        if carry_metadata and f != sp.committed:  # the metadata describes all of it (its
+        if meta and f != sp.committed:  # the metadata describes all of it (its
             raise InvalidArgument(  # token ids): a prefix of it would get another's tokens
                 f"activate_from({checkpoint}, carry_metadata=True): frontier {f} in pool "
                 f"{pool} is below the checkpoint's committed {sp.committed}; its metadata "

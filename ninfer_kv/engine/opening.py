@@ -151,29 +151,38 @@ def _allocate(what: str, make: Callable[[], T]) -> T:
                           ) from None
 
 
-def memory_limit() -> int | None:
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+
+
+def memory_limit(read: Callable[[str], str | None] = _read) -> int | None:
     """The most memory this process could ever hold: ``MemTotal + SwapTotal`` of
-    ``/proc/meminfo``, or its cgroup's ``memory.max`` (v2) when that is lower; None where
-    neither is known. A bound, not what is free now: caches (the page cache, ZFS's ARC) give
-    memory back on demand, so only planes past this bound are sure never to fit."""
+    ``/proc/meminfo``, or, when lower, its own cgroup's (v2, found through
+    ``/proc/self/cgroup``) ``memory.max`` plus ``memory.swap.max`` (the host's swap when that
+    is unlimited); None where neither is known. A bound, not what is free now: caches (the
+    page cache, ZFS's ARC) give memory back on demand, so only planes past this bound are
+    sure never to fit."""
     kib: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f.read().decode("ascii", "replace").splitlines():
-                name, _, rest = line.partition(":")
-                words = rest.split()
-                if name in ("MemTotal", "SwapTotal") and words and words[0].isdigit():
-                    kib[name] = int(words[0])
-    except OSError:
-        pass
-    limit = (kib["MemTotal"] + kib.get("SwapTotal", 0)) * 1024 if "MemTotal" in kib else None
-    try:
-        with open("/sys/fs/cgroup/memory.max", "rb") as f:
-            cap = f.read().strip()
-        if cap.isdigit():
-            limit = int(cap) if limit is None else min(limit, int(cap))
-    except OSError:
-        pass
+    for line in (read("/proc/meminfo") or "").splitlines():
+        name, _, rest = line.partition(":")
+        words = rest.split()
+        if name in ("MemTotal", "SwapTotal") and words and words[0].isdigit():
+            kib[name] = int(words[0])
+    swap = kib.get("SwapTotal", 0) * 1024
+    limit = kib["MemTotal"] * 1024 + swap if "MemTotal" in kib else None
+    rel = next((line[3:].strip() for line in (read("/proc/self/cgroup") or "").splitlines()
+                if line.startswith("0::")), None)
+    if rel is not None:
+        base = "/sys/fs/cgroup" + ("" if rel == "/" else rel)
+        ram, more = (read(base + "/memory.max") or "").strip(), \
+            (read(base + "/memory.swap.max") or "").strip()
+        if ram.isdigit():
+            cap = int(ram) + (int(more) if more.isdigit() else swap)
+            limit = cap if limit is None else min(limit, cap)
     return limit
 
 
@@ -190,8 +199,8 @@ def _check_fits(plan: CapacityPlan, config: StoreConfig) -> None:
     if limit is not None and need > limit:
         raise ConfigError(f"cannot allocate device planes: the plan needs {need:,} bytes of "
                           f"CPU memory and this process can hold at most {limit:,} (MemTotal "
-                          "+ SwapTotal, or its cgroup's memory.max); lower kv_tokens or the "
-                          "model geometry")
+                          "+ SwapTotal, or its cgroup's memory.max + memory.swap.max); lower "
+                          "kv_tokens or the model geometry")
 
 
 def _check_dir(name: str, path: str) -> None:

@@ -67,6 +67,12 @@ def test_swap_in_keeps_the_metadata_so_a_rebuilt_index_finds_the_checkpoint(
     assert s.digest() == after
     whole = s.activate_from(ck, 100, 110, 10, carry_metadata=True)  # all of it: carried
     assert s.checkpoint_info(whole).metadata == {"tokens": tokens}
+    bare = s.finish(whole, retain=True)  # a checkpoint without metadata carries nothing, so
+    s.set_metadata(bare, None)           # any frontier will do (a review: it was refused)
+    with s.boundary():
+        pass
+    assert bare is not None
+    s.activate_from(bare, 64, 100, 10, carry_metadata=True)
     s.check_invariants()
 
 

@@ -6,6 +6,7 @@ until the kernel's OOM killer ended the process (no error to catch)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,28 @@ def test_an_unused_backend_field_is_ignored_so_its_journal_reopens(tmp_path: Pat
     with pytest.raises(ConfigError, match="mtp_layers=-1 must be positive"):
         plan_explicit(model, ServingConfig(max_context=256, max_concurrency=2,
                                            backend=Backend.MTP), 512)
+
+
+def fake_files(files: dict[str, str]) -> Callable[[str], str | None]:
+    return files.get
+
+
+MEMINFO = "MemTotal:       8388608 kB\nSwapTotal:      2097152 kB\nMemAvailable: 1 kB\n"
+
+
+def test_the_limit_reads_the_process_cgroup_with_its_swap() -> None:
+    """A review of 6c5e681: memory.max alone (and only the root cgroup's file) refused planes
+    a container with swap could hold, and missed the limit of the process's own cgroup."""
+    gib = 1 << 30
+    host = {"/proc/meminfo": MEMINFO, "/proc/self/cgroup": "0::/job\n"}
+    assert opening.memory_limit(fake_files(host)) == 10 * gib  # no limit file: the host's
+    box = {**host, "/sys/fs/cgroup/job/memory.max": f"{4 * gib}\n",
+           "/sys/fs/cgroup/job/memory.swap.max": f"{4 * gib}\n"}
+    assert opening.memory_limit(fake_files(box)) == 8 * gib
+    box["/sys/fs/cgroup/job/memory.swap.max"] = "max\n"  # unlimited: the host's swap
+    assert opening.memory_limit(fake_files(box)) == 6 * gib
+    box["/sys/fs/cgroup/job/memory.max"] = "max\n"
+    assert opening.memory_limit(fake_files(box)) == 10 * gib
+    root = {"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": f"{gib}\n"}
+    assert opening.memory_limit(fake_files(root)) == gib  # no meminfo, a root cgroup limit
+    assert opening.memory_limit(fake_files({})) is None
