@@ -167,7 +167,7 @@ ENGINE = ["tests/engine/test_trust_*.py", "tests/engine/test_rules.py",
           "tests/engine/test_incremental*.py", "tests/engine/test_layout_capacity.py",
           "tests/engine/test_host_arena.py", "tests/engine/test_row_isolation.py",
           "tests/engine/test_snapshot_pruning.py", "tests/engine/test_interrupted_commands.py",
-          "tests/engine/test_survives_restart.py"]
+          "tests/engine/test_survives_restart.py", "tests/engine/test_metadata_roundtrip.py"]
 INCREMENTAL = ["tests/engine/test_incremental_seeded.py", "tests/engine/test_incremental.py"]
 MACHINE = ["tests/engine/test_state_machine.py"]
 JOURNAL = ["tests/journal/test_journal_rules.py", "tests/journal/test_journal.py",

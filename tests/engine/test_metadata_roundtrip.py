@@ -101,6 +101,8 @@ def test_a_journal_holding_undecodable_metadata_opens_and_reads_typed(tmp_path: 
     s = KVStore.open(cfg)
     with pytest.raises(StateError, match=f"metadata of seq {ck} .* does not decode"):
         s.checkpoint_info(ck)  # before: a raw msgspec.DecodeError
+    with pytest.raises(InvalidArgument, match="metadata='no' must be a bool"):
+        s.checkpoint_info(ck, metadata="no")  # type: ignore[arg-type]
     assert s.checkpoint_info(ck, metadata=False).metadata is None  # the rest still reads:
     assert residency(s, ck) == (0, 0, 0)  # a retention policy can still evict it (a review)
     assert s.checkpoint_info(other).metadata == {"tokens": list(range(64))}
