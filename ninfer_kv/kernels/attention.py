@@ -316,7 +316,8 @@ def paged_decode(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     h_kv = view.num_kv_heads
     if d != view.head_dim or hq % h_kv or not hq or d % 32 or d > 32 * MAXE:
         raise InvalidArgument(f"paged_decode: q {tuple(q.shape)} vs view heads={h_kv} "
-                              f"head_dim={view.head_dim} (need Hq a positive multiple of H, D % 32 == 0, "
+                              f"head_dim={view.head_dim} (need Hq a positive multiple of H, "
+                              "D % 32 == 0, "
                               "D <= 256)")
     if table_rows.shape != (n_rows,) or context_lens.shape != (n_rows,):
         raise InvalidArgument(f"paged_decode: table_rows {tuple(table_rows.shape)} and "

@@ -175,7 +175,8 @@ def paged_prefill_varlen(q: torch.Tensor, view: Any, table_rows: torch.Tensor,
     h_kv = view.num_kv_heads
     if d != view.head_dim or hq % h_kv or not hq or d % 32 or d > MAXD:
         raise InvalidArgument(f"paged_prefill_varlen: q {tuple(q.shape)} vs view heads={h_kv} "
-                              f"head_dim={view.head_dim} (need Hq a positive multiple of H, D % 32 == 0, "
+                              f"head_dim={view.head_dim} (need Hq a positive multiple of H, "
+                              "D % 32 == 0, "
                               f"D <= {MAXD})")
     if cuda_path and not cuda_head_dim_ok(d):
         raise InvalidArgument(f"paged_prefill_varlen: head_dim={d} on CUDA: need D in "

@@ -85,6 +85,16 @@ CASES = [
 ]
 
 
+def small_journal(tmp_path: Path, records: int) -> None:
+    """``tmp_path / "journal"``: ``records`` records, each a sequence activated and finished."""
+    s = KVStore.open(small_config(tmp_path))
+    for _ in range(records):
+        s.finish(s.activate(64, 10))
+        with s.boundary():
+            pass
+    s.close()
+
+
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from ninfer_kv.tools.cli import main
 
@@ -119,14 +129,7 @@ def test_the_installed_entry_point_too(dirs: dict[str, str], argv: list[str]) ->
 
 def test_a_closed_pipe_is_not_an_error(dirs: dict[str, str], tmp_path: Path) -> None:
     """``ninfer-kv dump DIR | head -1``: the reader leaves early; no error line."""
-    from ninfer_kv.engine.store import KVStore
-
-    s = KVStore.open(small_config(tmp_path))
-    for _ in range(400):
-        s.finish(s.activate(64, 10))
-        with s.boundary():
-            pass
-    s.close()
+    small_journal(tmp_path, 400)
     r = subprocess.run(f"{sys.executable} -m ninfer_kv.tools.cli dump {tmp_path / 'journal'} "
                        "| head -1", shell=True, capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
@@ -137,12 +140,7 @@ def test_held_log_lines_are_printed_when_the_command_succeeds(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A command that succeeds on a torn journal prints the library's journal.cut warning
     (held while it ran), after its output."""
-    s = KVStore.open(small_config(tmp_path))
-    for _ in range(3):
-        s.finish(s.activate(64, 10))
-        with s.boundary():
-            pass
-    s.close()
+    small_journal(tmp_path, 3)
     seg = sorted((tmp_path / "journal").glob("seg-*.log"))[-1]
     os.truncate(seg, seg.stat().st_size - 3)  # the last record torn, as a crash leaves it
     code, err = run_cli(["replay", str(tmp_path / "journal"), "--json"], capsys)
