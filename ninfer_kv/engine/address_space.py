@@ -32,20 +32,21 @@ NO_ROW = -1
 class KVAddressSpace:
     __slots__ = ("_p", "i", "bundle", "pool", "incoming")
 
-    def __init__(self, p: PoolState, bundle: int, entitlement: int, row: int) -> None:
+    def __init__(self, p: PoolState, bundle: int, entitlement: int, row: int,
+                 budget: int = 0, incoming: int = 0) -> None:
         self._p = p
-        self.i = p.alloc_space()
+        self.i = i = p.alloc_space()
         self.bundle = bundle
         self.pool = p.name
-        p.sp_nmem[self.i] = 0          # membership: logical block b -> page slot
-        p.sp_committed[self.i] = 0     # canonical token frontier
-        p.sp_protected[self.i] = 0     # checkpoint-protected frontier
-        p.sp_budget[self.i] = 0        # its bundle's budget (set by Activate; grow reads it)
-        p.sp_entitlement[self.i] = entitlement  # pages guaranteed (membership + reservation)
-        p.sp_active[self.i] = True
-        p.sp_provisional[self.i] = 0   # speculative frontier; never committed coverage
-        p.sp_row[self.i] = row         # execution row, NO_ROW when inactive
-        self.incoming = 0              # pages a Move/Fork of this record still hands over
+        p.sp_nmem[i] = 0               # membership: logical block b -> page slot
+        p.sp_committed[i] = 0          # canonical token frontier
+        p.sp_protected[i] = 0          # checkpoint-protected frontier
+        p.sp_budget[i] = budget        # its bundle's budget (Activate's; grow reads it)
+        p.sp_entitlement[i] = entitlement  # pages guaranteed (membership + reservation)
+        p.sp_active[i] = True
+        p.sp_provisional[i] = 0        # speculative frontier; never committed coverage
+        p.sp_row[i] = row              # execution row, NO_ROW when inactive
+        self.incoming = incoming       # pages a Move/Fork of this record still hands over
 
     # --- array-backed fields --------------------------------------------------------------
     @property

@@ -59,9 +59,10 @@ def _activate(st: StoreState, e: ev.Activate) -> None:
         f"Activate of seq {e.bundle}: row {e.row} not free, held {e.held} / entitlement " \
         f"{e.entitlement} outside [0, L={pool.logical_pages}], or budget {e.budget} outside " \
         "int64"
-    sp = pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row)
-    sp.incoming = e.held  # a Move/Fork in this record brings these pages: not reserved
-    sp.budget = e.budget  # the bundle's, per space too: kv_lease_growth reads it as an array
+    # ``held``: a Move/Fork in this record brings these pages, so they are not reserved; the
+    # budget is the bundle's, per space too (kv_lease_growth reads it as an array)
+    pool.spaces[e.bundle] = KVAddressSpace(pool, e.bundle, e.entitlement, e.row, e.budget,
+                                           e.held)
     pool.reserved += e.entitlement - e.held
     pool.free_rows.remove(e.row)
     pool.row_owner[e.row] = e.bundle
@@ -94,8 +95,8 @@ def _commit(st: StoreState, e: ev.CommitFrontiers) -> None:
     committed columns."""
     pool = st.pools[e.pool]
     bad = ak.apply_commit_raw(e.bundles, e.frontiers, pool.bundle_index, pool.sp_committed,
-                              pool.sp_nmem, pool.sp_members, pool.pg_committed, pool.sp_active,
-                              pool.pg_live, pool.pg_writer)
+                              pool.sp_nmem, pool.sp_members, pool.sp_active, pool.pg_live,
+                              pool.pg)
     if bad == -1:
         return
     assert bad != ak.COMMIT_LENGTHS, \

@@ -15,6 +15,16 @@ import numpy as np
 from ninfer_kv.engine.bundle_table import space_of
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life_kernels import membership_fault, membership_of
+from ninfer_kv.engine.pages import (
+    PG_ACTIVE,
+    PG_COMMITTED,
+    PG_DEVICE,
+    PG_EPOCH,
+    PG_PINS,
+    PG_PROTECTED,
+    PG_REFS,
+    PG_WRITER,
+)
 from ninfer_kv.engine.round_kernels import OK
 from ninfer_kv.kernels.jit import njit
 
@@ -81,14 +91,13 @@ COMMIT_LENGTHS = -2
 @njit(nogil=True)
 def apply_commit_raw(b_raw: bytes, f_raw: bytes, bundle_index: np.ndarray,
                      sp_committed: np.ndarray, sp_nmem: np.ndarray, sp_members: np.ndarray,
-                     pg_committed: np.ndarray, sp_active: np.ndarray, pg_live: np.ndarray,
-                     pg_writer: np.ndarray) -> int:
-    """``apply_commit`` on the event's packed fields (``int32s``); ``COMMIT_LENGTHS`` when
-    their lengths differ (nothing applied)."""
+                     sp_active: np.ndarray, pg_live: np.ndarray, pg: np.ndarray) -> int:
+    """``apply_commit`` on the event's packed fields (``int32s``) and the pool's per-slot
+    matrix ``pg``; ``COMMIT_LENGTHS`` when their lengths differ (nothing applied)."""
     if len(b_raw) % 4 or len(f_raw) != len(b_raw):
         return COMMIT_LENGTHS
     return apply_commit(int32s(b_raw), int32s(f_raw), bundle_index, sp_committed, sp_nmem,
-                        sp_members, pg_committed, sp_active, pg_live, pg_writer)
+                        sp_members, pg[PG_COMMITTED], sp_active, pg_live, pg[PG_WRITER])
 
 
 @njit(nogil=True)
@@ -206,22 +215,20 @@ def give_back(slots: np.ndarray, devs: np.ndarray, upto: int, n_slots: int,
 
 @njit(nogil=True)
 def init_new_pages(slots: np.ndarray, devs: np.ndarray, writers: np.ndarray, active: int,
-                   pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
-                   pg_protected: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray,
-                   pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray) -> None:
-    """``PoolState.init_pages`` in one loop: one reference, nothing committed or protected,
-    no pin; generations kept."""
+                   pg_live: np.ndarray, pg: np.ndarray) -> None:
+    """``PoolState.init_pages`` in one loop over the pool's per-slot matrix ``pg``: one
+    reference, nothing committed or protected, no pin; generations and host fields kept."""
     for j in range(slots.shape[0]):
         s = slots[j]
         pg_live[s] = True
-        pg_epoch[s] = 0
-        pg_committed[s] = 0
-        pg_protected[s] = 0
-        pg_refs[s] = 1
-        pg_active[s] = active
-        pg_writer[s] = writers[j]
-        pg_device[s] = devs[j]
-        pg_pins[s] = 0
+        pg[PG_EPOCH, s] = 0
+        pg[PG_COMMITTED, s] = 0
+        pg[PG_PROTECTED, s] = 0
+        pg[PG_REFS, s] = 1
+        pg[PG_ACTIVE, s] = active
+        pg[PG_WRITER, s] = writers[j]
+        pg[PG_DEVICE, s] = devs[j]
+        pg[PG_PINS, s] = 0
 
 
 NO_SPACE, INACTIVE, NO_GROUP = 1, 2, 3
@@ -268,10 +275,7 @@ membership past L, a membership of negative length (a damaged state)."""
 def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int, logical_pages: int,
                 bundle_index: np.ndarray, sp_active: np.ndarray, sp_nmem: np.ndarray,
                 sp_members: np.ndarray, slot_bits: np.ndarray, page_bits: np.ndarray,
-                pg_live: np.ndarray, pg_epoch: np.ndarray, pg_committed: np.ndarray,
-                pg_protected: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray,
-                pg_writer: np.ndarray, pg_device: np.ndarray, pg_pins: np.ndarray
-                ) -> tuple[int, int, int, int, int]:
+                pg_live: np.ndarray, pg: np.ndarray) -> tuple[int, int, int, int, int]:
     """``apply(Materialize)`` in one call (§5.2, §8.1), on the event's packed fields
     (sequences, slots, page groups): ``materialize_plan``'s checks, no membership past L,
     ``take_new_pages``, then ``init_new_pages`` (each page written by its sequence) and
@@ -296,11 +300,10 @@ def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int, logical_
                                              pg_live)
     if j >= 0:
         return BAD_SLOT, j, 0, 0, 0
-    if width > sp_members.shape[1] or n_new > pg_live.shape[0]:
+    if width > sp_members.shape[1] or n_new > pg_live.shape[0] or n_new > pg.shape[1]:
         give_back(slots, devs, slots.shape[0], n_slots, slot_bits, page_bits)
         return NO_ROOM, -1, width, n_new, 0
-    init_new_pages(slots, devs, bundles, 1, pg_live, pg_epoch, pg_committed, pg_protected,
-                   pg_refs, pg_active, pg_writer, pg_device, pg_pins)
+    init_new_pages(slots, devs, bundles, 1, pg_live, pg)
     append_members(idx, slots, sp_members, sp_nmem)
     return OK, -1, reused, taken, n_new
 
@@ -357,13 +360,12 @@ def retain_pages(slots: np.ndarray, bundle: int, committed: int, pg_active: np.n
 
 @njit(nogil=True)
 def retain_membership(i: int, bundle: int, committed: int, sp_members: np.ndarray,
-                      sp_nmem: np.ndarray, pg_live: np.ndarray, pg_active: np.ndarray,
-                      pg_writer: np.ndarray, pg_protected: np.ndarray) -> int:
+                      sp_nmem: np.ndarray, pg_live: np.ndarray, pg: np.ndarray) -> int:
     """``apply(Finish(retain))``'s page half for space ``i`` in one call: its membership
-    judged as ``page_life.members_of`` does (``membership_of``), then ``retain_pages``.
-    Returns -1, or the first bad block (-2: a length outside its row) with nothing
-    changed."""
+    judged as ``page_life.members_of`` does (``membership_of``), then ``retain_pages`` on
+    the rows of ``pg``. Returns -1, or the first bad block (-2: a length outside its row)
+    with nothing changed."""
     slots, k = membership_of(i, sp_members, sp_nmem, pg_live)
     if k == -1:
-        retain_pages(slots, bundle, committed, pg_active, pg_writer, pg_protected)
+        retain_pages(slots, bundle, committed, pg[PG_ACTIVE], pg[PG_WRITER], pg[PG_PROTECTED])
     return k

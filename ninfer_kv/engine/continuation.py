@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 STEPS = ("create", "reserve", "restore", "move_fork", "cow", "rows", "tables", "publish")
 """The eight activation steps of spec §7.3, in order (fault-injection labels)."""
 
+MODES = ("auto", "move", "fork")
+
 
 def per_pool(what: str, frontier: Mapping[Any, Any], pools: Sequence[str]) -> dict[str, int]:
     """A frontier per pool, one for each of ``pools`` and no other (``as_int``, >= 0)."""
@@ -68,9 +70,9 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     checkpoint = as_int("checkpoint", checkpoint)
     prompt_tokens, max_output_tokens, total = token_budget(prompt_tokens, max_output_tokens,
                                                            store.plan.S)
-    one_of("mode", mode, ("auto", "move", "fork"))
+    one_of("mode", mode, MODES)
     for name, flag in (("keep_source", keep_source), ("carry_metadata", carry_metadata)):
-        if not isinstance(flag, bool):
+        if type(flag) is not bool:  # bool has no subclasses: this is isinstance
             raise InvalidArgument(f"{name}={flag!r} must be a bool")
     src_bundle = st.bundles.get(checkpoint)
     if src_bundle is None or src_bundle.active:
@@ -113,9 +115,9 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         if hook:
             hook("reserve", pl.pool)
         p, f = pl.p, pl.frontier
-        mem = p.sp_members[pl.i, :p.sp_nmem[pl.i]]  # read only
         move = want_move
         if move:  # a Move takes the pages over: none may have another reference (§9.1)
+            mem = p.sp_members[pl.i, :p.sp_nmem[pl.i]]  # read only
             shared = mem[p.pg_refs[mem] > 1].tolist()
             if shared and mode == "auto":
                 move = False        # auto: Fork instead
@@ -132,7 +134,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         # mid-page frontier, the COW source tail — block f // P, right after the prefix. A
         # live page without a device replica has a host one (§5.1, checked by §14), so a pool
         # holding no host replica has none to restore
-        missing = rk.without_device(mem[:held + tail], p.pg_device).tolist() if p.host_of else []
+        missing = (rk.without_device(p.sp_members[pl.i, :held + tail], p.pg_device).tolist()
+                   if p.host_of else [])
         need = pl.entitlement - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pl.pool}: continuation needs {need} pages "

@@ -305,8 +305,9 @@ class StoreCore:
         verified and published (with the device drops they allow) in that record, which is
         synced before the boundary returns (a durability point)."""
         seq = self._append_pending()
-        effects.run(self, self._effects)
-        self._effects.clear()
+        if self._effects:  # none in a decode round
+            effects.run(self, self._effects)
+            self._effects.clear()
         if self.state.copy_pins:  # every queued copy ran: release what they pinned
             by_pool: dict[str, list[int]] = {}
             for (pool, slot), n in sorted(self.state.copy_pins.items()):

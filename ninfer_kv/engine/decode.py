@@ -152,8 +152,7 @@ def commit_many(tx: Txn, p: PoolState, bundles: Sequence[int] | np.ndarray,
     if not len(b):
         return
     code, j, blk, i, out = rk.commit_round(b, p.bundle_index, p.sp_active, f, p.sp_committed,
-                                           p.sp_nmem, p.sp_members, p.pg_writer, p.pg_pins,
-                                           p.pg_protected, tx.plan.S)
+                                           p.sp_nmem, p.sp_members, p.pg, tx.plan.S)
     if code in (rk.UNKNOWN, rk.DUPLICATE):
         refuse_resolve(p, b, code, j)
     if code == rk.CEILING:

@@ -82,9 +82,8 @@ def drop_membership(st: StoreState, pool: PoolState, sp: KVAddressSpace, bundle:
         return
     fs, fp = pool.free_slots, pool.free_pages
     code, j, freed, low, n_dead, low_slot = plk.drop_membership(
-        sp.i, keep, bundle, active, pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
-        pool.pg_active, pool.pg_writer, pool.pg_pins, pool.pg_device, pool.pg_gen, fp.bits,
-        fs.bits)
+        sp.i, keep, bundle, active, pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg,
+        fp.bits, fs.bits)
     if code == plk.MEMBERS_FAULT:
         members_of(pool, sp, what)  # raises, naming the block
         raise AssertionError(f"{what} of seq {bundle}: membership refused at block {j}")
@@ -103,7 +102,7 @@ def retain_membership(pool: PoolState, sp: KVAddressSpace, bundle: int, what: st
     membership, read as ``members_of`` reads it) in one compiled call; refuses as
     ``members_of`` does, with nothing changed."""
     k = ak.retain_membership(sp.i, bundle, sp.committed, pool.sp_members, pool.sp_nmem,
-                             pool.pg_live, pool.pg_active, pool.pg_writer, pool.pg_protected)
+                             pool.pg_live, pool.pg)
     if k != -1:
         members_of(pool, sp, what)  # raises, naming the block
         raise AssertionError(f"{what} of seq {bundle}: membership refused at block {k}")
@@ -176,8 +175,7 @@ def new_members(pool: PoolState, bundles: bytes, slots: bytes, pages: bytes, wha
         code, j, x, y, z = ak.materialize(
             bundles, slots, pages, pool.n_slots, pool.logical_pages, pool.bundle_index,
             pool.sp_active, pool.sp_nmem, pool.sp_members, fs.bits, fp.bits, pool.pg_live,
-            pool.pg_epoch, pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active,
-            pool.pg_writer, pool.pg_device, pool.pg_pins)
+            pool.pg)
         if code != ak.NO_ROOM:
             break
         pool.ensure_members(x)

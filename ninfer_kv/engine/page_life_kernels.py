@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_kv.engine.pages import PG_ACTIVE, PG_DEVICE, PG_GEN, PG_PINS, PG_REFS, PG_WRITER
 from ninfer_kv.engine.round_kernels import OK
 from ninfer_kv.kernels.jit import njit
 
@@ -171,10 +172,9 @@ def membership_of(i: int, sp_members: np.ndarray, sp_nmem: np.ndarray, pg_live: 
 
 @njit(nogil=True)
 def drop_membership(i: int, keep: int, bundle: int, active: bool, sp_members: np.ndarray,
-                    sp_nmem: np.ndarray, pg_live: np.ndarray, pg_refs: np.ndarray,
-                    pg_active: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
-                    pg_device: np.ndarray, pg_gen: np.ndarray, page_bits: np.ndarray,
-                    slot_bits: np.ndarray) -> tuple[int, int, int, int, int, int]:
+                    sp_nmem: np.ndarray, pg_live: np.ndarray, pg: np.ndarray,
+                    page_bits: np.ndarray, slot_bits: np.ndarray
+                    ) -> tuple[int, int, int, int, int, int]:
     """``page_life.unref`` of the blocks from ``keep`` (>= 0) of space ``i``'s membership
     (``members_of`` of the whole first) in one call, for a pool that holds no host replica
     (Finish without retention and Release: ``keep`` 0; Trim): the membership judged, the
@@ -183,13 +183,14 @@ def drop_membership(i: int, keep: int, bundle: int, active: bool, sp_members: np
     membership's length is the caller's to cut. Returns (code, j, page groups freed, the
     lowest freed or -1, slots freed, the lowest freed or -1): on ``MEMBERS_FAULT`` (``j`` the
     block, -2 a bad length) or ``UNREF_FAULT`` (``j`` the block) nothing changed."""
+    pg_refs, pg_pins, pg_device = pg[PG_REFS], pg[PG_PINS], pg[PG_DEVICE]
     whole, k = membership_of(i, sp_members, sp_nmem, pg_live)
     if k != -1:
         return MEMBERS_FAULT, k, 0, -1, 0, -1
     keep = min(keep, whole.shape[0])
     slots = whole[keep:]
-    j = unref_slots(slots, bundle, active, pg_live, pg_refs, pg_active, pg_writer, pg_pins,
-                    pg_device, page_bits, slot_bits)
+    j = unref_slots(slots, bundle, active, pg_live, pg_refs, pg[PG_ACTIVE], pg[PG_WRITER],
+                    pg_pins, pg_device, page_bits, slot_bits)
     if j >= 0:
         return UNREF_FAULT, keep + j, 0, -1, 0, -1
     # collect: ``dead_slots`` without its sort (a membership names each slot once), then
@@ -203,7 +204,7 @@ def drop_membership(i: int, keep: int, bundle: int, active: bool, sp_members: np
             dead[n_dead] = s
             n_dead += 1
             low_slot = s if low_slot < 0 else min(low_slot, s)
-    j, freed, low, _ = free_dead(dead[:n_dead], pg_live, pg_device, pg_gen, page_bits,
+    j, freed, low, _ = free_dead(dead[:n_dead], pg_live, pg_device, pg[PG_GEN], page_bits,
                                  slot_bits)
     assert j < 0
     return OK, -1, freed, low, n_dead, low_slot

@@ -23,6 +23,14 @@ PoolState = Any
 
 NO_PAGE = -1
 
+PG_ROWS = ("GEN", "EPOCH", "COMMITTED", "PROTECTED", "REFS", "ACTIVE", "WRITER", "DEVICE",
+           "PINS", "HOST_OFF", "HOST_EPOCH", "HOST_COV", "HOST_CRC")
+"""The rows of a pool's per-slot int64 matrix ``PoolState.pg`` (``pg[PG_WRITER, slot]`` is
+page ``slot``'s writer; ``PoolState.pg_writer`` is that row): compiled loops take the one
+matrix instead of an array per field."""
+(PG_GEN, PG_EPOCH, PG_COMMITTED, PG_PROTECTED, PG_REFS, PG_ACTIVE, PG_WRITER, PG_DEVICE,
+ PG_PINS, PG_HOST_OFF, PG_HOST_EPOCH, PG_HOST_COV, PG_HOST_CRC) = range(len(PG_ROWS))
+
 
 class ArrayField:
     """A view's field stored in its pool's array ``array`` at the view's ``key`` attribute

@@ -31,7 +31,7 @@ import numpy as np
 from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.bundle_table import BundleTable
 from ninfer_kv.engine.free_ids import FreeIds
-from ninfer_kv.engine.pages import LogicalKVPage
+from ninfer_kv.engine.pages import PG_ROWS, LogicalKVPage
 
 I64 = np.int64
 
@@ -205,13 +205,29 @@ PG_FIELDS = (("pg_gen", 0), ("pg_epoch", 0), ("pg_committed", 0), ("pg_protected
              ("pg_refs", 0), ("pg_active", 0), ("pg_writer", -1), ("pg_device", -1),
              ("pg_pins", 0), ("pg_host_off", NO_HOST), ("pg_host_epoch", 0), ("pg_host_cov", 0),
              ("pg_host_crc", 0))
-"""The per-slot int64 arrays and the value of a slot that never held a page."""
+"""The per-slot int64 fields, in the order of the rows of ``PoolState.pg`` (``pages.PG_GEN``
+...), and the value of a slot that never held a page."""
+assert [f for f, _ in PG_FIELDS] == ["pg_" + n.lower() for n in PG_ROWS]
+
+
+_PG_NAMES = frozenset(f for f, _ in PG_FIELDS)
+
+
+def _pg_matrix(n: int, old: np.ndarray | None = None) -> np.ndarray:
+    """``PoolState.pg`` with ``n`` slots: ``old``'s columns, then never-used ones."""
+    pg = np.empty((len(PG_FIELDS), n), I64)
+    have = 0 if old is None else old.shape[1]
+    if have:
+        pg[:, :have] = old
+    for k, (_, fill) in enumerate(PG_FIELDS):
+        pg[k, have:] = fill
+    return pg
 
 
 class PoolState:
     __slots__ = ("name", "capacity", "rows", "logical_pages", "free_pages", "reserved",
                  "free_rows", "row_owner", "pages", "gens", "free_slots", "spaces", "n_slots",
-                 "pg_live", "host_of", *(f for f, _ in PG_FIELDS),
+                 "pg_live", "host_of", "pg", *(f for f, _ in PG_FIELDS),
                  "sp_members", "sp_nmem", "sp_committed", "sp_protected", "sp_entitlement",
                  "sp_active", "sp_bundle", "sp_budget", "sp_row", "sp_provisional", "sp_free",
                  "bundle_table", "bundle_index")
@@ -229,8 +245,7 @@ class PoolState:
         # per slot (LogicalKVPage's fields)
         self.n_slots = 0                        # slots ever used; pages[0:n_slots]
         n = max(16, capacity)
-        for name, fill in PG_FIELDS:
-            setattr(self, name, np.full(n, fill, I64))
+        self._set_pg(_pg_matrix(n))
         self.pg_live = np.zeros(n, np.bool_)
         self.host_of = HostMap(self)            # slot -> host replica (pg_host_*)
         self.pages = PageTable(self)
@@ -280,10 +295,26 @@ class PoolState:
     # --- array capacity (no state: only room for it) ------------------------------------------
     def ensure_slot(self, slot: int) -> None:
         if slot >= len(self.pg_live):
-            for name, fill in PG_FIELDS:
-                setattr(self, name, _grown(getattr(self, name), slot + 1, fill))
             self.pg_live = _grown(self.pg_live, slot + 1, 0)
+            self._set_pg(_pg_matrix(len(self.pg_live), self.pg))
             self.free_slots.grow(len(self.pg_live))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle holds ``pg`` once and binds its rows again (``__setstate__``):
+        copied one by one, each ``pg_*`` view would become an array apart from the matrix."""
+        return {k: getattr(self, k) for k in self.__slots__ if k not in _PG_NAMES}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self._set_pg(self.pg)
+
+    def _set_pg(self, pg: np.ndarray) -> None:
+        """``pg`` becomes the per-slot matrix; each ``pg_*`` attribute is a view of its row
+        (the only place they are bound: a field and its row are one array)."""
+        self.pg = pg
+        for k, (name, _) in enumerate(PG_FIELDS):
+            setattr(self, name, pg[k])
 
     def init_pages(self, slots: np.ndarray | list[int], devices: np.ndarray | list[int],
                    writers: np.ndarray | list[int] | int, active: bool) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from ninfer_kv.engine.bundle_table import space_of
 from ninfer_kv.engine.free_ids import _lowest
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.pages import PG_PINS, PG_PROTECTED, PG_WRITER
 from ninfer_kv.kernels.jit import njit
 
 OK = 0
@@ -204,9 +205,10 @@ def map_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarr
 @njit(nogil=True)
 def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.ndarray,
                  frontiers: np.ndarray, sp_committed: np.ndarray, sp_nmem: np.ndarray,
-                 sp_members: np.ndarray, pg_writer: np.ndarray, pg_pins: np.ndarray,
-                 pg_protected: np.ndarray, ceiling: int) -> tuple[int, int, int, int, np.ndarray]:
-    """``commit_many``'s checks in one call: ``resolve``, no frontier above ``ceiling`` (the
+                 sp_members: np.ndarray, pg: np.ndarray, ceiling: int
+                 ) -> tuple[int, int, int, int, np.ndarray]:
+    """``commit_many``'s checks in one call (``pg``: the pool's per-slot matrix,
+    ``PoolState.pg``): ``resolve``, no frontier above ``ceiling`` (the
     logical ceiling S, §3.2: ``CEILING``), then ``check_commit``. Returns (code, j, block,
     the space index of element ``j``, out): on ``OK``, ``out`` is one int32 array holding the
     sequences then the frontiers — ``CommitFrontiers``' two fields as ``pack`` writes them
@@ -219,7 +221,7 @@ def commit_round(bundles: np.ndarray, bundle_index: np.ndarray, sp_active: np.nd
         if frontiers[j] > ceiling:
             return CEILING, j, -1, idx[j], none
     code, j, blk = check_commit(bundles, idx, frontiers, sp_committed, sp_nmem, sp_members,
-                                pg_writer, pg_pins, pg_protected)
+                                pg[PG_WRITER], pg[PG_PINS], pg[PG_PROTECTED])
     if code != OK:
         return code, j, blk, idx[j], none
     n = bundles.shape[0]

@@ -103,11 +103,10 @@ def page_table(p: PoolState) -> np.ndarray:
     one int64 array built from the pool's arrays (a snapshot and the digest cost a few array
     passes, not one view per page)."""
     live = np.flatnonzero(p.pg_live[:p.n_slots])
-    cols = [live, *(a[live] for a in (p.pg_gen, p.pg_epoch, p.pg_committed, p.pg_protected,
-                                      p.pg_refs, p.pg_active, p.pg_writer, p.pg_device,
-                                      p.pg_pins, p.pg_host_off, p.pg_host_epoch,
-                                      p.pg_host_cov, p.pg_host_crc))]
-    return np.column_stack(cols).astype(np.int64, copy=False)
+    out = np.empty((len(live), 1 + p.pg.shape[0]), np.int64)
+    out[:, 0] = live
+    out[:, 1:] = p.pg[:, live].T  # the fields in PG_FIELDS order: as_tuple's after the slot
+    return out
 
 
 def page_tuples(p: PoolState) -> list[list[int]]:
@@ -215,11 +214,7 @@ def decode_state(data: bytes) -> StoreState:
             slots = rows[:, 0]
             p.ensure_slot(int(slots.max()))
             p.pg_live[slots] = True
-            for k, field in enumerate(("pg_gen", "pg_epoch", "pg_committed", "pg_protected",
-                                       "pg_refs", "pg_active", "pg_writer", "pg_device",
-                                       "pg_pins", "pg_host_off", "pg_host_epoch",
-                                       "pg_host_cov", "pg_host_crc"), start=1):
-                getattr(p, field)[slots] = rows[:, k]
+            p.pg[:, slots] = rows[:, 1:].T  # page_table's columns after the slot
             p.host_of.recount()
         p.free_slots = FreeIds(len(p.pg_live), np.flatnonzero(~p.pg_live[:n]))
         for t in ps.spaces:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ninfer_kv.engine import apply_kernels as ak
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.bundle_table import from_dense
+from ninfer_kv.engine.pages import PG_ROWS
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.journal import events as ev
@@ -45,9 +46,7 @@ def oracle(st_: StoreState, e: ev.Materialize) -> None:
     if n_new > n_old:
         pool.ensure_slot(n_new - 1)
         pool.n_slots = n_new
-    ak.init_new_pages(slots, devs, b.astype(np.int64), 1, pool.pg_live, pool.pg_epoch,
-                      pool.pg_committed, pool.pg_protected, pool.pg_refs, pool.pg_active,
-                      pool.pg_writer, pool.pg_device, pool.pg_pins)
+    ak.init_new_pages(slots, devs, b.astype(np.int64), 1, pool.pg_live, pool.pg)
     pool.ensure_members(width)
     ak.append_members(idx, slots, pool.sp_members, pool.sp_nmem)
     pool.reserved -= len(b)
@@ -138,13 +137,12 @@ def test_materialize_asks_for_room_and_changes_nothing() -> None:
     page_bits = np.ones(4, np.bool_)
 
     def call(width: int, n_pg: int) -> tuple[tuple[int, ...], list[np.ndarray]]:
-        arrays = [np.full((1, width), -1, np.int32), np.zeros(n_pg, np.bool_)] + \
-            [np.zeros(n_pg, np.int64) for _ in range(8)]
-        members, slot_bits, *pg = arrays
+        members, slot_bits = np.full((1, width), -1, np.int32), np.zeros(n_pg, np.bool_)
+        pg = np.zeros((len(PG_ROWS), n_pg), np.int64)
         nmem, groups = sp_nmem.copy(), page_bits.copy()
         got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2, 16,
                              from_dense(bundle_index), sp_active, nmem, members, slot_bits, groups,
-                             np.zeros(n_pg, np.bool_), *pg)
+                             np.zeros(n_pg, np.bool_), pg)
         return tuple(int(x) for x in got), [members, nmem, groups, *pg]
 
     for width, n_pg in ((4, 5), (5, 4)):  # one short each way
@@ -172,7 +170,7 @@ def test_materialize_refuses_fields_of_different_lengths() -> None:
         got = ak.materialize(*raws, 0, 4, from_dense(z), z.astype(np.bool_), z,
                              np.full((4, 4), -1, np.int32),
                              z.astype(np.bool_), z.astype(np.bool_), z.astype(np.bool_),
-                             *[z.copy() for _ in range(8)])
+                             np.zeros((len(PG_ROWS), 4), np.int64))
         assert got[0] == ak.LENGTHS
 
 
@@ -232,8 +230,8 @@ def test_commit_on_packed_fields_refuses_different_lengths() -> None:
             apply(s.state, e)
         assert digest(s.state) == before
     assert ak.apply_commit_raw(ev.pack([b]), ev.pack([1, 2]), p.bundle_index, p.sp_committed,
-                               p.sp_nmem, p.sp_members, p.pg_committed, p.sp_active,
-                               p.pg_live, p.pg_writer) == ak.COMMIT_LENGTHS
+                               p.sp_nmem, p.sp_members, p.sp_active, p.pg_live,
+                               p.pg) == ak.COMMIT_LENGTHS
     s.close()
 
 

@@ -3,6 +3,8 @@ arrays agreeing with the views."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from ninfer_kv.engine.address_space import KVAddressSpace
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.page_life import new_members
 from ninfer_kv.engine.pages import NO_PAGE
-from ninfer_kv.engine.pool import PoolState
+from ninfer_kv.engine.pool import PG_FIELDS, PoolState
 from ninfer_kv.engine.state import page_tuples
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.journal import events as ev
@@ -255,3 +257,26 @@ def test_host_replicas_in_arrays_behave_as_a_dict(ops) -> None:
     assert len(p.host_of) == len(model)
     with pytest.raises(AssertionError, match="offset -1"):
         p.host_of[3] = (-1, 0, 0, 0)
+
+
+def test_the_page_fields_are_rows_of_one_matrix_through_growth_copy_and_pickle() -> None:
+    """``pg_*`` are the rows of ``PoolState.pg`` (the compiled loops take the matrix, the
+    Python code the rows): after the arrays grow, and in a deep copy or a pickle, a write
+    through a row is the matrix's, and growth keeps every value and fills the new slots as
+    never used. A copy taken field by field would let the two drift apart unseen."""
+    p = PoolState("main", 16, 2, 8)
+    for k, (name, _) in enumerate(PG_FIELDS):
+        getattr(p, name)[3] = 100 + k
+    p.ensure_slot(40)
+    assert p.pg.shape == (len(PG_FIELDS), len(p.pg_live)) and len(p.pg_live) > 40
+    for k, (name, fill) in enumerate(PG_FIELDS):
+        row = getattr(p, name)
+        assert row.base is p.pg and p.pg[k, 3] == 100 + k
+        assert (p.pg[k, 16:] == fill).all()
+        row[40] = 7 + k
+        assert p.pg[k, 40] == 7 + k
+    for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p))):
+        assert np.array_equal(q.pg, p.pg)
+        for k, (name, _) in enumerate(PG_FIELDS):
+            getattr(q, name)[5] = -50 - k
+            assert q.pg[k, 5] == -50 - k and p.pg[k, 5] != -50 - k

@@ -20,10 +20,20 @@ from ninfer_kv.engine import round_kernels as rk
 from ninfer_kv.engine.bundle_table import from_dense
 from ninfer_kv.engine.decode import writable
 from ninfer_kv.engine.layout import P
+from ninfer_kv.engine.pages import PG_ROWS
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.journal.events import pack
 
 I64 = np.int64
+
+
+def pg_matrix(**rows: np.ndarray) -> np.ndarray:
+    """A ``PoolState.pg`` holding ``rows`` (``writer=...``: row ``PG_WRITER``), zeros else."""
+    n = max(len(r) for r in rows.values())
+    pg = np.zeros((len(PG_ROWS), n), I64)
+    for name, r in rows.items():
+        pg[PG_ROWS.index(name.upper()), :len(r)] = r
+    return pg
 
 
 def oracle_resolve(bundles, bundle_index, sp_active):
@@ -172,8 +182,9 @@ def test_check_commit_matches_oracle(args):
     bundle_index = np.full(int(bundles.max()) + 2, -1, I64)
     bundle_index[bundles] = idx
     active = np.ones(len(idx), np.bool_)
+    pg = pg_matrix(writer=rest[4], pins=rest[5], protected=rest[6])
     code, j, blk, i, out = rk.commit_round(bundles, from_dense(bundle_index), active, rest[0],
-                                           *rest[1:], 1 << 40)
+                                           *rest[1:4], pg, 1 << 40)
     assert (int(code), int(j), int(blk)) == oracle_check_commit(*args)
     assert i == (idx[j] if code != rk.OK else -1)  # the space the refusal names
     if code == rk.OK:  # CommitFrontiers' two fields, as pack writes them
@@ -181,7 +192,8 @@ def test_check_commit_matches_oracle(args):
     else:
         assert len(out) == 0
     active[idx[-1]] = False  # an inactive checkpoint is refused before any frontier rule
-    code, j, _, _, _ = rk.commit_round(bundles, from_dense(bundle_index), active, rest[0], *rest[1:], 1 << 40)
+    code, j, _, _, _ = rk.commit_round(bundles, from_dense(bundle_index), active, rest[0],
+                                       *rest[1:4], pg, 1 << 40)
     assert (code, j) == oracle_resolve(bundles.tolist(), bundle_index, active)
 
 
