@@ -46,8 +46,8 @@ def as_ints(name: str, values: Sequence[Any] | np.ndarray) -> list[int]:
     if isinstance(values, np.ndarray) and values.ndim == 1 and (
             values.dtype == object or values.size == 0):
         values = values.tolist()
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+    if isinstance(values, np.ndarray):  # kind, not issubdtype: numpy files timedelta64
+        if values.ndim != 1 or values.dtype.kind not in "iu":  # under signedinteger
             raise InvalidArgument(f"{name}: want a 1-D integer array, got dtype {values.dtype} "
                                   f"shape {values.shape}")
         return values.tolist()

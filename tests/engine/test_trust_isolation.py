@@ -6,6 +6,7 @@ rule that fixes the whole class, not only the reported path.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,16 @@ def test_numpy_integers_are_accepted_and_journaled_as_ints(tmp_path: Path) -> No
     for bad in (np.array([True], dtype=object), np.array([1.5], dtype=object)):
         with pytest.raises(InvalidArgument, match=r"seqs\[0\]="):
             s.ensure_mapped_many("main", bad, [101])
+        assert s.digest() == d
+    # numpy counts timedelta64 as a signed integer type: its elements became
+    # datetime.timedelta objects (a raw TypeError from the array form, and the list form
+    # handed them on as the ints it promises); durations and bool arrays are no integers
+    for bad in (np.array([a], dtype="timedelta64[s]"), np.array([True])):
+        why = re.escape(f"want a 1-D integer array, got dtype {bad.dtype}")
+        with pytest.raises(InvalidArgument, match=why):
+            s.ensure_mapped_many("main", bad, [101])
+        with pytest.raises(InvalidArgument, match=why):
+            s.table_rows("main", bad)
         assert s.digest() == d
     s.close()
     live = s.digest()
