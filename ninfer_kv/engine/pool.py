@@ -11,7 +11,8 @@ lease) holds exactly ``reserved + available`` ids. The command picks the lowest 
 (locality), and nothing depends on contiguity (§4.2).
 
 Structure of arrays: the per-page fields live in ``pg_*`` (by slot; ``pg_live`` says which
-of the ``n_slots`` slots ever used hold a page), the per-space ones in ``sp_*`` (by a space's
+of the ``n_slots`` slots ever used hold a page; the int64 ones are the rows of one matrix,
+``pg``, which compiled loops take whole), the per-space ones in ``sp_*`` (by a space's
 dense index, recycled when the space is dropped); ``LogicalKVPage`` and ``KVAddressSpace`` are
 views over them (engine/pages.py, engine/address_space.py). ``pages[slot]`` makes a page's
 view (None for a free slot), ``gens[slot]`` reads a slot's generation; ``host_of`` maps a

@@ -136,17 +136,20 @@ def test_materialize_asks_for_room_and_changes_nothing() -> None:
     sp_nmem = np.array([2], np.int64)
     page_bits = np.ones(4, np.bool_)
 
-    def call(width: int, n_pg: int) -> tuple[tuple[int, ...], list[np.ndarray]]:
+    def call(width: int, n_pg: int, n_live: int | None = None
+             ) -> tuple[tuple[int, ...], list[np.ndarray]]:
         members, slot_bits = np.full((1, width), -1, np.int32), np.zeros(n_pg, np.bool_)
         pg = np.zeros((len(PG_ROWS), n_pg), np.int64)
         nmem, groups = sp_nmem.copy(), page_bits.copy()
         got = ak.materialize(bundles.tobytes(), slots.tobytes(), devs.tobytes(), 2, 16,
                              from_dense(bundle_index), sp_active, nmem, members, slot_bits, groups,
-                             np.zeros(n_pg, np.bool_), pg)
+                             np.zeros(n_live or n_pg, np.bool_), pg)
         return tuple(int(x) for x in got), [members, nmem, groups, *pg]
 
-    for width, n_pg in ((4, 5), (5, 4)):  # one short each way
-        got, arrays = call(width, n_pg)
+    # one short each way; the last: the matrix shorter than pg_live (each is checked: the
+    # kernel writes both without bounds checks)
+    for width, n_pg, n_live in ((4, 5, None), (5, 4, None), (5, 4, 5)):
+        got, arrays = call(width, n_pg, n_live)
         assert got == (ak.NO_ROOM, -1, 5, 5, 0)
         assert all(not a.any() or (a == -1).all() for a in arrays if a.ndim == 2)
         assert arrays[1].tolist() == [2] and not any(a.any() for a in arrays[3:])
