@@ -146,9 +146,9 @@ def test_materialize_asks_for_room_and_changes_nothing() -> None:
                              np.zeros(n_live or n_pg, np.bool_), pg)
         return tuple(int(x) for x in got), [members, nmem, groups, *pg]
 
-    # one short each way; the last: the matrix shorter than pg_live (each is checked: the
-    # kernel writes both without bounds checks)
-    for width, n_pg, n_live in ((4, 5, None), (5, 4, None), (5, 4, 5)):
+    # one short each way; the last two: the matrix and pg_live of different lengths (each
+    # is checked: the kernel writes both without bounds checks)
+    for width, n_pg, n_live in ((4, 5, None), (5, 4, None), (5, 4, 5), (5, 5, 4)):
         got, arrays = call(width, n_pg, n_live)
         assert got == (ak.NO_ROOM, -1, 5, 5, 0)
         assert all(not a.any() or (a == -1).all() for a in arrays if a.ndim == 2)
