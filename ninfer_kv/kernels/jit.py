@@ -6,9 +6,10 @@ Where: ``$NINFER_KV_JIT_CACHE`` if set, else ``$XDG_CACHE_HOME/ninfer-kv/numba``
 of the control plane's compiled loops (``ENGINE_KERNELS``), of the journal's frame walk
 (``JOURNAL_KERNELS``) and of the numba and llvmlite versions. The hash matters: numba checks
 only the timestamp of the file that *defines* a cached function, while our kernels inline
-codecs and quantizers from other modules (the control plane's bake in P from ``layout.py``,
-the frame walk the frame layout from ``journal/format.py``) — a change there would otherwise
-leave stale machine code in use. numba keys entries by CPU model itself.
+codecs and quantizers from other modules (the control plane's bake in P from ``layout.py``
+and the rows of the per-slot matrix from ``pages.py``, the frame walk the frame layout from
+``journal/format.py``) — a change there would otherwise leave stale machine code in use.
+numba keys entries by CPU model itself.
 
 The directory is set on ``numba.config.CACHE_DIR`` only while our functions are decorated
 (numba reads it then), so an application's own cached numba functions stay where it put them.
@@ -34,8 +35,10 @@ from numba.core import config
 KERNELS = Path(__file__).parent
 ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
                        ("bundle_table.py", "round_kernels.py", "apply_kernels.py", "page_life_kernels.py",
-                        "free_ids.py", "layout.py", "msgpack_rows.py", "invariant_kernels.py"))
-"""The control plane's compiled loops (and the page size they bake in) share the cache."""
+                        "free_ids.py", "layout.py", "pages.py", "msgpack_rows.py",
+                        "invariant_kernels.py"))
+"""The control plane's compiled loops (and the page size and the rows of ``PoolState.pg``
+they bake in) share the cache."""
 JOURNAL_KERNELS = tuple(KERNELS.parent / "journal" / f for f in ("frames.py", "format.py"))
 """The journal's frame walk, and the frame layout it bakes in."""
 log = structlog.get_logger(__name__)

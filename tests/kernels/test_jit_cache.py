@@ -4,6 +4,8 @@ cache directory is left alone."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import shutil
@@ -167,6 +169,30 @@ def test_every_module_compiling_with_our_njit_is_in_the_cache_key() -> None:
     users = {p for p in root.rglob("*.py") if "kernels.jit import njit" in p.read_text()}
     assert users and users <= keyed, sorted(str(p.relative_to(root)) for p in users - keyed)
     assert root / "journal" / "format.py" in keyed and root / "engine" / "layout.py" in keyed
+
+
+def test_every_constant_or_kernel_a_keyed_module_imports_is_keyed_too() -> None:
+    """Review finding: the engine kernels took the row numbers of ``PoolState.pg`` from
+    engine/pages.py, which the key did not cover; reordering the rows (in both places, a
+    consistent edit) left a warm cache writing each page's writer into its device field,
+    without an error. What a keyed module imports and numba bakes into machine code — an
+    int or float constant, another compiled function — comes from a keyed module."""
+    from numba.core.registry import CPUDispatcher
+    root = jit.KERNELS.parent
+    keyed = {*jit.KERNELS.glob("*.py"), *jit.ENGINE_KERNELS, *jit.JOURNAL_KERNELS}
+    baked = []
+    for f in sorted(keyed):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0
+                    and (node.module or "").startswith("ninfer_kv.")):
+                continue
+            mod = importlib.import_module(node.module)  # type: ignore[arg-type]
+            for alias in node.names:  # None: a submodule not imported yet (no constant)
+                obj = getattr(mod, alias.name, None)
+                if (type(obj) in (int, float) or isinstance(obj, CPUDispatcher)) \
+                        and Path(mod.__file__) not in keyed:  # type: ignore[arg-type]
+                    baked.append(f"{f.relative_to(root)}: {node.module}.{alias.name}")
+    assert not baked, baked
 
 
 def test_the_frame_layout_is_part_of_the_key(tmp_path: Path,
