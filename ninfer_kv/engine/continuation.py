@@ -134,8 +134,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         # mid-page frontier, the COW source tail — block f // P, right after the prefix. A
         # live page without a device replica has a host one (§5.1, checked by §14), so a pool
         # holding no host replica has none to restore
-        missing = (rk.without_device(p.sp_members[pl.i, :held + tail], p.pg_device).tolist()
-                   if p.host_of else [])
+        missing = (rk.without_device(p.sp_members[pl.i, :min(held + tail, p.sp_nmem[pl.i])],
+                                     p.pg_device).tolist() if p.host_of else [])
         need = pl.entitlement - held + len(missing)
         if need > p.available:
             raise CapacityExhausted(f"pool {pl.pool}: continuation needs {need} pages "
