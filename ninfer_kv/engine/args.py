@@ -27,6 +27,9 @@ def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = Non
     else:
         if isinstance(value, _BOOLS) or str(getattr(value, "dtype", "")) == "torch.bool":
             raise InvalidArgument(f"{name}={value!r}: a bool is not an integer")
+        if getattr(value, "ndim", 0):  # torch indexes a one-element tensor of any shape
+            raise InvalidArgument(f"{name}={value!r}: a {value.ndim}-D array is not an "
+                                  "integer (pass a scalar)")
         try:
             v = operator.index(value)
         except TypeError:

@@ -164,6 +164,15 @@ def test_numpy_integers_are_accepted_and_journaled_as_ints(tmp_path: Path) -> No
         with pytest.raises(InvalidArgument, match=why):
             s.table_rows("main", bad)
         assert s.digest() == d
+    # a torch tensor of one element took ``operator.index`` whatever its shape, where the
+    # same numpy array is refused: an integer argument is a scalar (a 0-d tensor is one)
+    for bad in (torch.tensor([100]), torch.tensor([[100]])):
+        with pytest.raises(InvalidArgument, match="-D array is not an integer"):
+            s.activate(bad, 10)
+        with pytest.raises(InvalidArgument, match="-D array is not an integer"):
+            s.commit_many("main", [bad], [100])
+        assert s.digest() == d
+    s.activate(torch.tensor(100), np.array(10))  # 0-d: a scalar
     s.close()
     live = s.digest()
     assert replay(str(tmp_path / "journal")).digest == live

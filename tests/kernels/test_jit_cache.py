@@ -5,14 +5,19 @@ cache directory is left alone."""
 from __future__ import annotations
 
 import ast
+import enum
 import importlib
+import importlib.util
 import json
+import numbers
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from numba.core import config
 
@@ -171,28 +176,84 @@ def test_every_module_compiling_with_our_njit_is_in_the_cache_key() -> None:
     assert root / "journal" / "format.py" in keyed and root / "engine" / "layout.py" in keyed
 
 
-def test_every_constant_or_kernel_a_keyed_module_imports_is_keyed_too() -> None:
+def _baked(obj: object) -> bool:
+    """What numba freezes into machine code when a compiled function reads it as a global:
+    numbers (numpy scalars too), arrays, enum members, tuples, other compiled functions."""
+    from numba.core.registry import CPUDispatcher
+    return isinstance(obj, numbers.Number | np.generic | np.ndarray | enum.Enum | tuple
+                      | CPUDispatcher)
+
+
+def _read_from_unkeyed(f: Path, keyed: set[Path], package: str = "") -> list[str]:
+    """The names module ``f`` (of ``package``: by default the one its path names) imports,
+    or reads as ``module.NAME``, that ``_baked`` would freeze and whose module is not keyed
+    (``from``/``import``, absolute or relative)."""
+    root = jit.KERNELS.parent.parent
+    package = package or ".".join(f.relative_to(root).with_suffix("").parts[:-1])
+    tree = ast.parse(f.read_text())
+    modules: dict[str, types.ModuleType] = {}  # local name -> an imported ninfer_kv module
+    found = []
+
+    def check(mod: types.ModuleType, name: str) -> None:
+        obj = getattr(mod, name, None)
+        if _baked(obj) and Path(str(mod.__file__)) not in keyed:
+            found.append(f"{f.name}: {mod.__name__}.{name}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ninfer_kv.") and a.asname:
+                    modules[a.asname] = importlib.import_module(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            name = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            if not name.startswith("ninfer_kv"):
+                continue
+            mod = importlib.import_module(name)
+            for a in node.names:
+                try:  # a submodule: its attributes are checked where they are read
+                    modules[a.asname or a.name] = importlib.import_module(f"{name}.{a.name}")
+                except ModuleNotFoundError:
+                    check(mod, a.name)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules):
+            check(modules[node.value.id], node.attr)
+    return found
+
+
+def test_every_constant_or_kernel_a_keyed_module_reads_is_keyed_too() -> None:
     """Review finding: the engine kernels took the row numbers of ``PoolState.pg`` from
     engine/pages.py, which the key did not cover; reordering the rows (in both places, a
     consistent edit) left a warm cache writing each page's writer into its device field,
-    without an error. What a keyed module imports and numba bakes into machine code — an
-    int or float constant, another compiled function — comes from a keyed module."""
-    from numba.core.registry import CPUDispatcher
-    root = jit.KERNELS.parent
+    without an error. What a keyed module reads from another and numba may freeze into
+    machine code (``_baked``) comes from a keyed module; a re-export is caught where the
+    re-exporting module imports it, since that module is keyed and scanned too."""
     keyed = {*jit.KERNELS.glob("*.py"), *jit.ENGINE_KERNELS, *jit.JOURNAL_KERNELS}
-    baked = []
-    for f in sorted(keyed):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if not (isinstance(node, ast.ImportFrom) and node.level == 0
-                    and (node.module or "").startswith("ninfer_kv.")):
-                continue
-            mod = importlib.import_module(node.module)  # type: ignore[arg-type]
-            for alias in node.names:  # None: a submodule not imported yet (no constant)
-                obj = getattr(mod, alias.name, None)
-                if (type(obj) in (int, float) or isinstance(obj, CPUDispatcher)) \
-                        and Path(mod.__file__) not in keyed:  # type: ignore[arg-type]
-                    baked.append(f"{f.relative_to(root)}: {node.module}.{alias.name}")
-    assert not baked, baked
+    assert not [x for f in sorted(keyed) for x in _read_from_unkeyed(f, keyed)]
+
+
+def test_the_scan_sees_every_import_form(tmp_path: Path) -> None:
+    """The forms an outside review found the first version of the test blind to: ``import
+    ... as``, a module imported by ``from`` and read as ``module.NAME``, a relative import,
+    and constants that are numpy scalars or tuples."""
+    f = tmp_path / "probe.py"  # read as a module of ninfer_kv.engine
+    f.write_text("import ninfer_kv.engine.pages as pg\n"
+                 "from ninfer_kv.engine import pages\n"
+                 "from .pages import NO_PAGE\n"
+                 "from ninfer_kv.engine.pool import PG_FIELDS\n"
+                 "from ninfer_kv.engine.bundle_table import _GOLDEN\n"
+                 "X = (pg.PG_WRITER, pages.PG_DEVICE, NO_PAGE)\n")
+    names = sorted(x.split(": ")[1] for x in _read_from_unkeyed(f, set(), "ninfer_kv.engine"))
+    assert names == ["ninfer_kv.engine.bundle_table._GOLDEN", "ninfer_kv.engine.pages.NO_PAGE",
+                     "ninfer_kv.engine.pages.PG_DEVICE", "ninfer_kv.engine.pages.PG_WRITER",
+                     "ninfer_kv.engine.pool.PG_FIELDS"], names
+
+
+def test_the_page_rows_are_part_of_the_key(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = keyed_copies(tmp_path / "engine", monkeypatch, "ENGINE_KERNELS")
+    before, after = cache_dirs_around_an_edit(tmp_path, monkeypatch, engine / "pages.py")
+    assert before != after  # pages.py: the rows of PoolState.pg the loops bake in
 
 
 def test_the_frame_layout_is_part_of_the_key(tmp_path: Path,
