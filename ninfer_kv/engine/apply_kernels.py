@@ -290,7 +290,19 @@ def materialize(b_raw: bytes, s_raw: bytes, d_raw: bytes, n_slots: int, logical_
       ``BAD_SLOT`` at element ``j``: nothing changed."""
     if len(b_raw) % 4 or len(s_raw) != len(b_raw) or len(d_raw) != len(b_raw):
         return LENGTHS, -1, 0, 0, 0
-    bundles, slots, devs = int32s(b_raw), int32s(s_raw), int32s(d_raw)
+    return materialize_fields(int32s(b_raw), int32s(s_raw), int32s(d_raw), n_slots,
+                              logical_pages, bundle_index, sp_active, sp_nmem, sp_members,
+                              slot_bits, page_bits, pg_live, pg)
+
+
+@njit(nogil=True)
+def materialize_fields(bundles: np.ndarray, slots: np.ndarray, devs: np.ndarray, n_slots: int,
+                       logical_pages: int, bundle_index: np.ndarray, sp_active: np.ndarray,
+                       sp_nmem: np.ndarray, sp_members: np.ndarray, slot_bits: np.ndarray,
+                       page_bits: np.ndarray, pg_live: np.ndarray, pg: np.ndarray
+                       ) -> tuple[int, int, int, int, int]:
+    """``materialize`` on the fields as equally long int32 arrays (replay's decode rounds
+    read them straight from the journal's bytes: engine/record_kernels.py)."""
     idx, code, j, width = materialize_plan(bundles, devs, bundle_index, sp_active, sp_nmem)
     if code != OK:
         return code, j, 0, 0, 0

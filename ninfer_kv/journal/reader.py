@@ -175,14 +175,16 @@ class JournalReader:
         return sum(len(s.data) for s in self.scan.segments)
 
     def records(self, from_seq: int = 0) -> Iterator[tuple[int, list[Any]]]:
-        decode = self.codec.decode
         for seq, off, payload in iter_frames(self.scan, from_seq):
-            try:
-                events = decode(payload)
-            except msgspec.MsgspecError as exc:
-                raise JournalCorrupt(self.scan.segment_of(seq), off, f"record {seq} has a "
-                                     f"valid CRC but its payload does not decode: {exc}") from None
-            yield seq, events
+            yield seq, self.decode(seq, off, payload)
+
+    def decode(self, seq: int, off: int, payload: bytes | memoryview) -> list[Any]:
+        """The events of record ``seq`` (its frame at ``off``), or ``JournalCorrupt``."""
+        try:
+            return self.codec.decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise JournalCorrupt(self.scan.segment_of(seq), off, f"record {seq} has a "
+                                 f"valid CRC but its payload does not decode: {exc}") from None
 
     def events(self, from_seq: int = 0) -> Iterator[tuple[int, int, Any]]:
         for seq, events in self.records(from_seq):

@@ -36,7 +36,7 @@ KERNELS = Path(__file__).parent
 ENGINE_KERNELS = tuple(KERNELS.parent / "engine" / f for f in
                        ("bundle_table.py", "round_kernels.py", "apply_kernels.py", "page_life_kernels.py",
                         "free_ids.py", "layout.py", "pages.py", "msgpack_rows.py",
-                        "invariant_kernels.py"))
+                        "invariant_kernels.py", "record_kernels.py"))
 """The control plane's compiled loops (and the page size and the rows of ``PoolState.pg``
 they bake in) share the cache."""
 JOURNAL_KERNELS = tuple(KERNELS.parent / "journal" / f for f in ("frames.py", "format.py"))

@@ -21,6 +21,7 @@ from ninfer_kv.errors import (
 )
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.journal.restore import usable_snapshots
+from ninfer_kv.replay.plain import replay_plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,18 +70,6 @@ def apply_event(st: StoreState, event: Any, seq: int, index: int) -> None:
         apply(st, event)
     except APPLY_ERRORS as exc:
         raise UnappliableRecord(seq, index, type(event).__name__, exc) from None
-
-
-def apply_record(st: StoreState, events: list[Any], seq: int) -> None:
-    """``apply`` every event of record ``seq``; a failure is ``UnappliableRecord`` naming the
-    event (plain replay's loop: nothing runs between the events)."""
-    done = 0
-    try:
-        for e in events:
-            apply(st, e)
-            done += 1
-    except APPLY_ERRORS as exc:
-        raise UnappliableRecord(seq, done, type(events[done]).__name__, exc) from None
 
 
 def replay_start(reader: JournalReader, until: int | None = None) -> tuple[StoreState, int]:
@@ -152,14 +141,13 @@ def replay(directory: str | JournalReader, *, verify_every: int = 0, until_recor
     t0 = time.perf_counter()
     last = reader.last_seq
     done = False
-    plain = not (on_event or checker or full_every or until_event is not None)
-    for seq, events in reader.records(start):
-        if until_record is not None and seq > until_record:
-            break
-        if plain:  # nothing to do between events: the record's events in one tight loop
-            apply_record(st, events, seq)
-            n_events += len(events)
-        else:
+    if not (on_event or checker or full_every or until_event is not None):
+        # nothing to do between events: decode rounds in compiled stretches (replay/plain.py)
+        n_records, n_events = replay_plain(reader, st, start, until_record, progress)
+    else:
+        for seq, events in reader.records(start):
+            if until_record is not None and seq > until_record:
+                break
             for i, e in enumerate(events):
                 apply_event(st, e, seq, i)
                 n_events += 1
@@ -176,12 +164,12 @@ def replay(directory: str | JournalReader, *, verify_every: int = 0, until_recor
                 if until_event is not None and n_events >= until_event:
                     done = True
                     break
-        st.seq = seq
-        n_records += 1
-        if progress is not None:
-            progress(seq, last)
-        if done:
-            break
+            st.seq = seq
+            n_records += 1
+            if progress is not None:
+                progress(seq, last)
+            if done:
+                break
     if not full_every or n_events % full_every:
         v = violations(st)
         if v:

@@ -26,15 +26,20 @@ from ninfer_kv.replay import replay
 from tests.engine.conftest import small_config
 from tests.engine.test_continuation import running, step
 
+BACKENDS = [Backend.OFF, Backend.MTP]
+
 
 def commit(seq: int, f: int, pool: str = "main") -> ev.CommitFrontiers:
     return ev.CommitFrontiers(pool, pack([seq]), pack([f]))
 
 
-def journal_with(tmp_path: Path, records: list[list[object]]) -> tuple[str, list[int]]:
+def journal_with(tmp_path: Path, records: list[list[object]], backend: Backend = Backend.MTP
+                 ) -> tuple[str, list[int]]:
     """A store with running sequences 1 (100 tokens committed, 2 pages) and 2 (30 tokens,
-    1 page), then ``records`` appended raw; returns the directory and the records' seqs."""
-    s = KVStore.open(small_config(tmp_path, backend=Backend.MTP))  # pools main and mtp
+    1 page), then ``records`` appended raw; returns the directory and the records' seqs.
+    MTP: pools main and mtp; OFF: main alone, whose decode rounds plain replay applies in
+    compiled stretches (replay/plain.py)."""
+    s = KVStore.open(small_config(tmp_path, backend=backend))
     a, b = running(s, 100), running(s, 30)
     step(s)  # the commits are journaled at the boundary: before the raw records
     assert (a, b) == (1, 2) and s.journal is not None
@@ -59,14 +64,19 @@ def test_runs_give_the_state_of_event_by_event(tmp_path: Path) -> None:
     assert mtp.spaces[2].committed == 64
 
 
-def test_a_refusal_in_a_run_names_its_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refusal_in_a_run_names_its_record(tmp_path: Path, backend: Backend) -> None:
     """The third commit of a run moves a frontier backwards: the combined event is refused
     whole and the run replayed event by event names record and event."""
     d, seqs = journal_with(tmp_path, [[commit(1, 110)], [commit(2, 40)],
-                                      [commit(2, 50), commit(1, 105)], [commit(1, 120)]])
+                                      [commit(2, 50), commit(1, 105)], [commit(1, 120)]],
+                           backend)
     with pytest.raises(UnappliableRecord, match="CommitFrontiers") as got:
         replay(d)
     assert (got.value.seq, got.value.index) == (seqs[2], 1)
+    with pytest.raises(UnappliableRecord) as checked:
+        replay(d, verify_every=1)
+    assert str(got.value) == str(checked.value)
 
 
 PAIR_OFF = {
@@ -78,11 +88,12 @@ PAIR_OFF = {
 
 
 @pytest.mark.parametrize("case", sorted(PAIR_OFF))
-def test_lengths_that_pair_off_are_refused(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths_that_pair_off_are_refused(tmp_path: Path, case: str, backend: Backend) -> None:
     """Fields of different int32 counts, or of a length no int32 count has, that pair off
     when concatenated: the run would apply (seq 1 to 110, seq 2 to 40 [then 50]). Each
     event is refused on its own, and so is the run."""
-    d, seqs = journal_with(tmp_path, [[e] for e in PAIR_OFF[case]])
+    d, seqs = journal_with(tmp_path, [[e] for e in PAIR_OFF[case]], backend)
     with pytest.raises(UnappliableRecord, match="bytes of seqs") as got:
         replay(d)
     assert (got.value.seq, got.value.index) == (seqs[0], 0)
@@ -110,21 +121,28 @@ def test_a_materialize_that_needs_room_mid_run(tmp_path: Path) -> None:
     assert replay(d).digest == live == replay(d, verify_every=1).digest
 
 
-def test_a_refused_materialize_between_commits_names_its_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_materialize_between_commits_names_its_record(tmp_path: Path,
+                                                               backend: Backend) -> None:
     """A Materialize into slot 0, which seq 1's first page holds, between commits: refused
     (the slot is not free), named by record and event; the commits before it applied."""
     d, seqs = journal_with(tmp_path, [[commit(1, 110)],
                                       [commit(2, 40), ev.Materialize("main", pack([1]),
                                                                      pack([0]), pack([0]))],
-                                      [commit(1, 120)]])
+                                      [commit(1, 120)]], backend)
     with pytest.raises(UnappliableRecord, match="Materialize") as got:
         replay(d)
     assert (got.value.seq, got.value.index) == (seqs[1], 1)
+    with pytest.raises(UnappliableRecord) as checked:
+        replay(d, verify_every=1)
+    assert str(got.value) == str(checked.value)
 
 
-def test_progress_is_reported_for_every_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_progress_is_reported_for_every_record(tmp_path: Path, backend: Backend) -> None:
     """Plain replay reports each record once, in order, as verified replay does."""
-    d, seqs = journal_with(tmp_path, [[commit(1, 110)], [commit(2, 40)], [commit(1, 120)]])
+    d, seqs = journal_with(tmp_path, [[commit(1, 110)], [commit(2, 40)], [commit(1, 120)]],
+                           backend)
     plain: list[int] = []
     checked: list[int] = []
     a = replay(d, progress=lambda seq, last: plain.append(seq))
