@@ -20,7 +20,7 @@ import numpy as np
 from ninfer_kv.engine.address_space import KVAddressSpace, SequenceKVBundle
 from ninfer_kv.engine.free_ids import FreeIds
 from ninfer_kv.engine.host_arena import ExtentAllocator
-from ninfer_kv.engine.msgpack_rows import encode_rows
+from ninfer_kv.engine.msgpack_rows import encode_live_columns
 from ninfer_kv.engine.pages import NO_PAGE
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.errors import IdsExhausted
@@ -122,14 +122,14 @@ def page_tuples(p: PoolState) -> list[list[int]]:
 
 def to_snapshot(st: StoreState, *, with_seq: bool = True, raw: bool = False) -> _StateSnap:
     """The snapshot of ``st``. ``raw``: each pool's pages as their msgpack already
-    (``msgspec.Raw`` of ``encode_rows``: the same bytes, for encoding only)."""
+    (``msgspec.Raw`` of ``encode_live_columns``: the same bytes, for encoding only)."""
     pools = []
     for name in sorted(st.pools):
         p = st.pools[name]
         pools.append(_PoolSnap(
             name, p.reserved, list(p.free_pages), list(p.free_rows), list(p.gens),
-            msgspec.Raw(memoryview(encode_rows(page_table(p)))) if raw  # type: ignore[arg-type]
-            else page_tuples(p),
+            msgspec.Raw(memoryview(encode_live_columns(p.pg, p.pg_live, p.n_slots)))  # type: ignore[arg-type]
+            if raw else page_tuples(p),
             [p.spaces[b].as_tuple() for b in sorted(p.spaces)]))
     bundles = [st.bundles[b].as_tuple() for b in sorted(st.bundles)]
     snap = _StateSnap(st.seq if with_seq else 0, st.next_bundle, _canonical(st.plan),
