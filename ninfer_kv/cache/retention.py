@@ -170,9 +170,13 @@ class LruRetention:
         With ``short >= 1`` and ``block_tokens``, a victim whose every page is on the device
         and that holds more than ``short`` device pages alone gives up only its tail: sharing
         is always of a prefix (Fork, Share, Prefix), so its sole pages are its last ones.
-        Returns "demote", "release", "trim" or None: releasing would free no device page — running
-        sequences or checkpoints this policy does not hold map them — so the checkpoints
-        stay and their prefixes stay findable."""
+        Returns "demote", "release", "trim" or None: releasing would free no device page —
+        running sequences or checkpoints this policy does not hold map them — so the
+        checkpoints stay and their prefixes stay findable. "Free" means at once: a page a
+        queued copy pins (a COW tail's source, an offload's page) frees only at the boundary
+        that runs the copy, so a victim whose pages all are pinned is passed over (releasing
+        it now would free nothing for the admission that asked); after that boundary it is
+        a victim like any other."""
         a_store(store, "make_room")
         if short is not None:
             short = as_int("short", short, lo=0)
@@ -185,7 +189,7 @@ class LruRetention:
         # every victim, demoted ones too: a demotion can be partial (a page a running
         # sequence mapped stayed), and a sibling's continuation restores shared pages
         for ck in victims:
-            sole = store.sole_device_pages(ck)
+            sole = store.sole_device_pages(ck, now=True)
             if sole:
                 e = self.entries[ck]
                 if e.demoted:
@@ -194,13 +198,15 @@ class LruRetention:
                         return "demote"
                 if short is not None and short >= 1 and self.block_tokens and sole > short:
                     pages, dev, _ = residency(store, ck)
-                    if dev == pages:  # all on the device: its sole pages are its tail
+                    # all on the device and none pinned: its sole pages are its tail, and
+                    # each frees at once
+                    if dev == pages and sole == store.sole_device_pages(ck):
                         return self._trim(store, ck, short)
                 return self._release(store, ck)
         # pages only retained checkpoints hold, each page by two or more: releasing one of
         # them is a step (not a page another holder, e.g. an engine's own checkpoint, keeps)
         if victims:
-            freed = store.reclaimable(victims)
+            freed = store.reclaimable(victims, now=True)
             for ck in victims:
                 if freed[ck]:
                     return self._release(store, ck)
@@ -297,6 +303,8 @@ class LruRetention:
         an extent (a page it holds alone). Returns "drop_host", "release" or None (nothing in
         the host tier to free)."""
         a_store(store, "make_host_room")
+        if keep is not None:
+            keep = as_int("keep", keep)
         self.forget_gone(store)
         for ck in self.victims():
             if ck == keep:
@@ -308,8 +316,9 @@ class LruRetention:
                     return "drop_host"
                 continue      # none, pinned by a queued copy, or every replica another's too
             pools = store.checkpoint_info(ck, metadata=False).pools.values()
-            if not any(r.sole_host_pages for r in pools):
-                continue      # its extents are other holders' too: releasing frees nothing
+            if not any(r.sole_host_pages_now for r in pools):
+                continue      # its extents are other holders' too, or a queued copy's until
+                #               the boundary: releasing frees nothing now
             store.release(ck)
             self.forget(ck)
             log.debug("retention.release_host", checkpoint=ck)

@@ -20,6 +20,14 @@ from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD, REASON_M
 _BOOLS = (bool, np.bool_)
 
 
+def as_bool(name: str, value: Any) -> bool:
+    """A caller's flag: a ``bool`` itself (it has no subclasses; ``np.bool_``, 0 and 1 are
+    refused, as ``as_int`` refuses bools), or ``InvalidArgument``."""
+    if type(value) is not bool:
+        raise InvalidArgument(f"{name}={value!r} must be a bool")
+    return value
+
+
 def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
     """``operator.index(value)`` checked against ``[lo, hi]``."""
     if type(value) is int:  # the common case (``type(True) is bool``, so no bool passes here)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import host
 from ninfer_kv.engine import round_kernels as rk
-from ninfer_kv.engine.args import as_int, metadata_room, one_of, token_budget
+from ninfer_kv.engine.args import as_bool, as_int, metadata_room, one_of, token_budget
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import StoreState, new_ids
@@ -71,9 +71,8 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
     prompt_tokens, max_output_tokens, total = token_budget(prompt_tokens, max_output_tokens,
                                                            store.plan.S)
     one_of("mode", mode, MODES)
-    for name, flag in (("keep_source", keep_source), ("carry_metadata", carry_metadata)):
-        if type(flag) is not bool:  # bool has no subclasses: this is isinstance
-            raise InvalidArgument(f"{name}={flag!r} must be a bool")
+    as_bool("keep_source", keep_source)
+    as_bool("carry_metadata", carry_metadata)
     src_bundle = st.bundles.get(checkpoint)
     if src_bundle is None or src_bundle.active:
         raise UnknownHandle(f"{checkpoint} is not an inactive checkpoint")

@@ -44,6 +44,12 @@ class PoolResidency:
     sole_host_pages: int = 0
     """Pages holding a host-arena extent (published or being copied) that no other sequence
     or checkpoint references: what releasing it frees in the host tier."""
+    sole_device_pages_now: int = 0
+    """Of ``sole_device_pages``, those a release frees at once: no queued copy pins them (a
+    COW tail's source, an offload's or a restore's page frees at the boundary that runs the
+    copy, §5.3). What a policy making room for an admission now may count on."""
+    sole_host_pages_now: int = 0
+    """Of ``sole_host_pages``, those no queued copy pins: their extents free at the release."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +106,13 @@ def checkpoint_info(store: Txn, bundle: int, metadata: bool = True) -> Checkpoin
         sole = sole_pages(p, sp.slots)
         idle = int(np.count_nonzero((p.pg_device[sp.slots] != NO_PAGE)
                                     & (p.pg_active[sp.slots] == 0)))
-        sole_host = int(np.count_nonzero((p.pg_refs[sp.slots] == 1)
-                                         & (p.pg_host_off[sp.slots] >= 0)))
+        hosted = (p.pg_refs[sp.slots] == 1) & (p.pg_host_off[sp.slots] >= 0)
+        unpinned = p.pg_pins[sp.slots] == 0
         pools[name] = PoolResidency(sp.committed, len(sp.slots), dev, hst,
                                     dev * page_bytes[name], hst * page_bytes[name], sole, idle,
-                                    sole_host)
+                                    int(np.count_nonzero(hosted)),
+                                    sole_pages(p, sp.slots, now=True),
+                                    int(np.count_nonzero(hosted & unpinned)))
     main = pools.get("main") or next(iter(pools.values()), None)
     # restart's rule (engine/restart.py, continuation.unrecoverable_reason): every page has a
     # valid published host replica, and replicas outlive the process only in a file arena
@@ -171,14 +179,19 @@ def residency(p: PoolState, slots: np.ndarray) -> tuple[int, int]:
     return dev, hst
 
 
-def sole_pages(p: PoolState, slots: np.ndarray) -> int:
-    """Device pages among ``slots`` that one address space alone references (refs == 1)."""
-    return int(np.count_nonzero((p.pg_device[slots] != NO_PAGE) & (p.pg_refs[slots] == 1)))
+def sole_pages(p: PoolState, slots: np.ndarray, now: bool = False) -> int:
+    """Device pages among ``slots`` that one address space alone references (refs == 1);
+    ``now``: and no queued copy pins (a pinned one frees at the next boundary, §5.3)."""
+    mask = (p.pg_device[slots] != NO_PAGE) & (p.pg_refs[slots] == 1)
+    if now:
+        mask &= p.pg_pins[slots] == 0
+    return int(np.count_nonzero(mask))
 
 
-def reclaimable(store: Txn, bundles: Collection[int]) -> dict[int, int]:
+def reclaimable(store: Txn, bundles: Collection[int], now: bool = False) -> dict[int, int]:
     """Per bundle of ``bundles``: its device pages that only bundles of ``bundles`` reference
-    — what releasing all of them frees of it. One pass over their memberships per pool."""
+    — what releasing all of them frees of it (``now``: at once, none a queued copy pins).
+    One pass over their memberships per pool."""
     st = store.state
     bundles = list(dict.fromkeys(bundles))
     for b in bundles:
@@ -192,16 +205,17 @@ def reclaimable(store: Txn, bundles: Collection[int]) -> dict[int, int]:
         counts = np.bincount(np.concatenate([sl for _, sl in mine]), minlength=p.n_slots)
         for b, sl in mine:
             out[b] += int(np.count_nonzero((p.pg_device[sl] != NO_PAGE)
-                                           & (counts[sl] == p.pg_refs[sl])))
+                                           & (counts[sl] == p.pg_refs[sl])
+                                           & ((p.pg_pins[sl] == 0) | (not now))))
     return out
 
 
-def sole_device_pages(store: Txn, bundle: int) -> int:
+def sole_device_pages(store: Txn, bundle: int, now: bool = False) -> int:
     st = store.state
     b = st.bundles.get(bundle)
     if b is None:
         raise UnknownHandle(f"{bundle} is neither an active sequence nor a checkpoint")
-    return sum(sole_pages(st.pools[pool], st.pools[pool].spaces[bundle].slots)
+    return sum(sole_pages(st.pools[pool], st.pools[pool].spaces[bundle].slots, now)
                for pool in b.pools)
 
 

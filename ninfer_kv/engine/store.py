@@ -26,7 +26,7 @@ import torch
 
 from ninfer_kv.engine import checked, continuation, decode, growth, host, info, termination
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_int, as_ints, metadata_room, one_pair, token_budget
+from ninfer_kv.engine.args import as_bool, as_int, as_ints, metadata_room, one_pair, token_budget
 from ninfer_kv.engine.command import command
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
@@ -285,19 +285,18 @@ class KVStore(StoreCore):
         """Frontier, residency per pool (device/host pages and bytes), whether it survives a
         restart, and its metadata (``metadata=False``: not decoded, None) — for an active
         sequence or a checkpoint."""
-        if not isinstance(metadata, bool):
-            raise InvalidArgument(f"checkpoint_info: metadata={metadata!r} must be a bool")
-        return info.checkpoint_info(self, as_int("checkpoint", bundle), metadata)
+        return info.checkpoint_info(self, as_int("checkpoint", bundle),
+                                    as_bool("checkpoint_info: metadata", metadata))
 
-    def sole_device_pages(self, bundle: int) -> int:
-        """Device pages only ``bundle`` references, over its pools: what releasing it frees
-        (``checkpoint_info``'s per-pool ``sole_device_pages``, without the rest of it)."""
-        return info.sole_device_pages(self, as_int("checkpoint", bundle))
+    def sole_device_pages(self, bundle: int, now: bool = False) -> int:
+        """Device pages only ``bundle`` references, over its pools: what releasing it frees;
+        ``now``: at once (``checkpoint_info``'s ``sole_device_pages[_now]``)."""
+        return info.sole_device_pages(self, as_int("checkpoint", bundle), as_bool("now", now))
 
-    def reclaimable(self, bundles: Sequence[int]) -> dict[int, int]:
+    def reclaimable(self, bundles: Sequence[int], now: bool = False) -> dict[int, int]:
         """Per bundle: its device pages only ``bundles`` reference — what releasing all of
-        them together frees of it (pages co-held by several checkpoints and nothing else)."""
-        return info.reclaimable(self, as_ints("checkpoints", bundles))
+        them frees of it; ``now``: at once, none a queued copy pins (§5.3)."""
+        return info.reclaimable(self, as_ints("checkpoints", bundles), as_bool("now", now))
 
     def metrics(self) -> info.StoreMetrics:
         """Counters since open and occupancy now (engine/info.py documents each field)."""
@@ -317,9 +316,8 @@ class KVStore(StoreCore):
         ``drop_device`` the device replicas go as soon as a valid host replica exists and no
         active sequence maps them (``host.can_drop_device``)."""
         self._usable("offload")
-        if not isinstance(drop_device, bool):
-            raise InvalidArgument(f"drop_device={drop_device!r} must be a bool")
-        return host.offload(self, as_int("checkpoint", checkpoint), drop_device)
+        return host.offload(self, as_int("checkpoint", checkpoint),
+                            as_bool("drop_device", drop_device))
 
     @command
     def drop_device(self, checkpoint: int) -> int:

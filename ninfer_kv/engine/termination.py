@@ -11,7 +11,7 @@ import numpy as np
 
 from ninfer_kv.engine import checked
 from ninfer_kv.engine.address_space import KVAddressSpace
-from ninfer_kv.engine.args import as_ints, duplicated, finish_reason, same_length
+from ninfer_kv.engine.args import as_bool, as_ints, duplicated, finish_reason, same_length
 from ninfer_kv.engine.decode import lookup, why_not_writable
 from ninfer_kv.engine.layout import P, ceil_div
 from ninfer_kv.engine.pool import PoolState
@@ -97,8 +97,7 @@ def finish(tx: Txn, bundle: int, retain: bool, reason: str) -> int | None:
     """Leave execution: every pool's space of active sequence ``bundle`` is trimmed to its
     committed frontier, then becomes an immutable checkpoint (``retain``; returns its id)
     or is released (§8.3)."""
-    if type(retain) is not bool:
-        raise InvalidArgument(f"finish: retain={retain!r} must be a bool")
+    as_bool("finish: retain", retain)
     finish_reason(reason)  # journaled: refused now, not at the boundary
     b = tx.state.bundles.get(bundle)
     if b is None or not b.active:
