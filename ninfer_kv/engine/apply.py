@@ -197,11 +197,17 @@ _ONE_VALUE = msgspec.msgpack.Decoder(msgspec.Raw)
 
 
 def _recovered(st: StoreState, e: ev.Recovered) -> None:
-    """A marker for tools; the state changes follow as ordinary events. Its fields are still
-    checked, so every tool that reads it (replay, open, dump) refuses a damaged one alike."""
+    """A marker for tools, and where a reopened store's ids start (``next_id``: never back,
+    never past the last id + 1); the other state changes follow as ordinary events. Its
+    fields are checked, so every tool that reads it (replay, open, dump) refuses a damaged
+    one alike."""
     assert e.records >= 0 and len(e.kept) % 4 == 0 and len(e.dropped) % 4 == 0, \
         f"Recovered: {e.records} records, {len(e.kept)} and {len(e.dropped)} bytes of kept " \
         "and dropped seqs (int32 each)"
+    assert e.next_id == -1 or st.next_bundle <= e.next_id <= MAX_BUNDLE + 1, \
+        f"Recovered: next id {e.next_id} before the next one {st.next_bundle}, or past " \
+        f"{MAX_BUNDLE + 1}"
+    st.next_bundle = max(st.next_bundle, e.next_id)
 
 
 _HANDLERS: dict[type, Callable[[StoreState, Any], None]] = {

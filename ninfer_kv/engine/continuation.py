@@ -87,7 +87,7 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         f0 = as_int("frontier", frontier, lo=0)
         frontiers = dict.fromkeys(names, f0)
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
-    dst = new_ids(st)
+    dst = new_ids(st, 1, store._ids_base)
     plans: list[_Plan] = []
     for pool in names:                                          # 1. create / claim
         if hook:
@@ -262,7 +262,7 @@ def share_prefix(store: Txn, bundle: int, frontier: int | None) -> int:
     if f < P:
         raise FrontierError(f"seq {bundle}: share_prefix frontier {f} holds no whole page "
                             f"(P={P}); only full, committed pages are shared")
-    dst = new_ids(st)
+    dst = new_ids(st, 1, store._ids_base)
     store._emit(*(ev.Share(bundle, dst, pool, f // P) for pool in b.pools))
     return dst
 
@@ -294,7 +294,7 @@ def release_tail(store: Txn, checkpoint: int, frontier: int | Mapping[str, int])
                                 f"{committed}), not {f0}")
         fs = dict.fromkeys(b.pools, f0)
     keep = {pool: f // P for pool, f in fs.items()}
-    dst = new_ids(st) if any(keep.values()) else None
+    dst = new_ids(st, 1, store._ids_base) if any(keep.values()) else None
     events: list[Any] = [ev.Prefix(checkpoint, dst, pool, keep[pool]) for pool in b.pools] \
         if dst is not None else []
     events.extend(ev.Release(checkpoint, pool) for pool in b.pools)
@@ -337,7 +337,7 @@ def fork_live(store: Txn, bundle: int, frontier: int | Mapping[str, int] | None,
         raise FrontierError(f"fork_live: frontier {top} + max_output_tokens {max_output_tokens} "
                             f"= {total} must be in [1, S={store.plan.S}] (§3.2)")
     shares = any(f >= P for f in fs.values())
-    first = new_ids(st, 2 if shares else 1)
+    first = new_ids(st, 2 if shares else 1, store._ids_base)
     ck = first if shares else -1
     dst = first + (1 if shares else 0)
     plans: dict[str, tuple[int, int, tuple[int, int, int, int] | None]] = {}

@@ -23,7 +23,7 @@ from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import CapacityPlan
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
-from ninfer_kv.engine.durability import changes_what_survives
+from ninfer_kv.engine.durability import changes_what_survives, settle_ids
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot
 from ninfer_kv.engine.opening import open_store
@@ -66,9 +66,9 @@ class StoreCore:
                                             config.allocate_planes)
         self._journaled = journal is not None  # close() drops the journal, not this fact
         self._pending: list[Any] = []
-        # events applied to the state that no record holds for sure: a failed command's, and
-        # every event of the boundary that failed (its records may be torn or unsynced).
-        # ``checkpoint_info`` reports nothing they touch as surviving a restart
+        self._ids_base = state.next_bundle  # the next id as of the last durable record
+        # events applied that no record holds for sure: a failed command's, and every event
+        # of a failed boundary; ``checkpoint_info`` reports nothing they touch as surviving
         self._unjournaled: list[Any] = []
         self._in_boundary: list[Any] = []  # the events the running boundary journaled
         self._applied = 0  # events handed to apply, ever: ``command`` compares it
@@ -275,6 +275,7 @@ class StoreCore:
             else:
                 seq += 1
             self.state.seq = seq
+            self._ids_base = settle_ids(self.journal, seq, self.state, self._ids_base)
             self.stats["records"] += 1
             self.stats["events"] += len(self._pending)
             self._in_boundary += self._pending

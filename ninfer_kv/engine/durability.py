@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ninfer_kv.engine import state
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
+from ninfer_kv.journal.log import Journal, SyncPolicy
 
 SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
                    ev.Move, ev.Share, ev.Prefix, ev.HostPublish, ev.HostAbort, ev.HostDrop,
@@ -49,3 +51,16 @@ def changes_what_survives(events: list[Any], st: StoreState) -> bool:
         else:
             return True
     return False
+
+
+def settle_ids(journal: Journal | None, seq: int, st: StoreState, base: int) -> int:
+    """The store's id base (``state.new_ids``) after record ``seq`` was written: the next id
+    once a durable record holds every id handed out — this one, or it after an fsync made
+    because the ids since ``base`` passed ``ID_GAP // 2`` (at most one fsync per 32k ids) —
+    else ``base``. Without a journal, or with ``sync="off"`` (which promises nothing across
+    a power loss), every written record counts."""
+    if journal is None or journal.options.sync is SyncPolicy.OFF:
+        return st.next_bundle
+    if st.next_bundle - base > state.ID_GAP // 2 and journal.durable_seq < seq:
+        journal.sync()
+    return st.next_bundle if journal.durable_seq >= seq else base

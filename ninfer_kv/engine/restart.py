@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ninfer_kv.engine import continuation, host
+from ninfer_kv.engine import continuation, host, state
 from ninfer_kv.engine.pages import NO_PAGE
+from ninfer_kv.engine.state import MAX_BUNDLE
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
 
@@ -59,9 +60,12 @@ def recover_cleanup(store: Txn) -> None:
         stale = [pg.slot for pg in pool.pages if pg is not None and pg.device != NO_PAGE]
         if stale:
             store._emit(ev.DeviceDrop(name, pack(stale)))
-    # the marker goes first in the record; its apply is a no-op, so inserting it is exact
-    store._pending.insert(0, ev.Recovered(rep.records, pack(rep.kept),
-                                          pack(sorted(rep.dropped))))
+    # the marker goes first in the record: applied last, moved first, which is exact as its
+    # one change (the next id, ID_GAP on: no id a lost record handed out comes back) is to
+    # a field no event of the record reads
+    store._emit(ev.Recovered(rep.records, pack(rep.kept), pack(sorted(rep.dropped)),
+                             min(st.next_bundle + state.ID_GAP, MAX_BUNDLE + 1)))
+    store._pending.insert(0, store._pending.pop())
     log_dropped(rep.dropped)
     log.info("store.recovered", records=rep.records, kept=rep.kept,
              dropped=len(rep.dropped), cuts=rep.cuts)

@@ -29,15 +29,30 @@ from ninfer_kv.journal.events import PoolSpec
 MAX_BUNDLE = (1 << 31) - 1
 """The last seq id a journal can hand out: batched events pack seq ids as int32."""
 
+ID_GAP = 1 << 16
+"""How far past the journal's next seq id a reopened store starts (``Recovered.next_id``,
+engine/restart.py). An id handed out in a record a failure lost — the one whose write or fsync
+failed (fail-stop), or those a crash cut before they were durable — is then never handed out
+again, so an id an engine kept names nothing after a reopen, never another sequence. It
+holds because the ids handed out since the last durable record stay within ``ID_GAP``: a
+record is made durable once they pass half of it (``durability.settle_ids``), and
+``new_ids`` refuses more than that in one step. 2**31 ids allow 32,767 reopens."""
 
-def new_ids(st: StoreState, n: int = 1) -> int:
+
+def new_ids(st: StoreState, n: int = 1, base: int | None = None) -> int:
     """The first of the ``n`` seq ids a command is about to hand out (``next_bundle`` on; the
     events' ``apply`` advances it), refused with ``IdsExhausted`` before anything is emitted
-    when the last would not fit the journal's int32 fields."""
+    when the last would not fit the journal's int32 fields, or would be more than ``ID_GAP``
+    past ``base``, the next id as of the store's last durable record."""
     if st.next_bundle + n - 1 > MAX_BUNDLE:
         raise IdsExhausted(f"seq ids exhausted: the next is {st.next_bundle}, the last a journal "
                            f"can record is {MAX_BUNDLE} (int32 fields); ids are never reused: "
                            "continue in a new journal directory")
+    if base is not None and st.next_bundle + n - base > ID_GAP:
+        raise IdsExhausted(f"{n} more seq ids would make {st.next_bundle + n - base} handed out "
+                           f"since the last durable record, over {ID_GAP}: run a boundary "
+                           f"first (a reopen starts {ID_GAP} ids past the journal's next one, "
+                           "so no id a lost record handed out is handed out again)")
     return st.next_bundle
 
 

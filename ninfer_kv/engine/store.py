@@ -124,7 +124,7 @@ class KVStore(StoreCore):
                                                                max_output_tokens, self.plan.S)
         # ids before capacity: an engine that evicts on CapacityExhausted and retries would
         # evict for nothing once the ids are gone
-        bundle = new_ids(self.state)
+        bundle = new_ids(self.state, 1, self._ids_base)
         plan = {p: self.entitlement_pages(p, prompt_tokens, total) for p in self.pools}
         self._check_capacity(plan)
         events = [ev.Activate(bundle, p, n, self.state.pools[p].free_rows.first(), total,

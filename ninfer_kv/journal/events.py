@@ -18,13 +18,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA: tuple[int, int] = (1, 7)
+SCHEMA: tuple[int, int] = (1, 8)
 """1.1 added the host-tier and Recovered tags and Activate.budget/prompt (minor: compatible);
 1.2 added the Pin/Unpin tags (transaction pins of queued device copies); 1.3 added
 Activate.held (0, the old meaning, when absent); 1.4 added HostConfigure.persistent; 1.5 added
 the SetMetadata tag (engine metadata of a sequence or checkpoint); 1.6 added the Share tag
 (a running sequence's full-page prefix published as an inactive checkpoint); 1.7 added the
-Prefix tag (an inactive checkpoint's full-page prefix as a new one: ``release_tail``)."""
+Prefix tag (an inactive checkpoint's full-page prefix as a new one: ``release_tail``); 1.8
+added Recovered.next_id (a reopen skips the ids a lost record may have handed out)."""
 
 METADATA_MAX = 1 << 20
 """Largest engine metadata blob (encoded msgpack bytes) a bundle may carry."""
@@ -106,11 +107,15 @@ class Activate(_Event, tag="act"):
 
 class Recovered(_Event, tag="recov"):
     """First event of the record written when a store reopens an existing journal: device
-    contents are gone; ``kept``/``dropped`` list the inactive checkpoints by id."""
+    contents are gone; ``kept``/``dropped`` list the inactive checkpoints by id. ``next_id``:
+    the first seq id the reopened store hands out, ``engine.state.ID_GAP`` past the journal's
+    next one, so that no id handed out in a record a failure lost is handed out again (-1,
+    a journal before schema 1.8: the journal's next id)."""
 
     records: int
     kept: bytes
     dropped: bytes
+    next_id: int = -1
 
 
 class PublishActive(_Event, tag="pub"):

@@ -19,7 +19,7 @@ import pytest
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.page_life import collect
-from ninfer_kv.engine.state import StoreState, digest
+from ninfer_kv.engine.state import MAX_BUNDLE, StoreState, digest
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import APPLY_ERRORS, JournalCorrupt, UnappliableRecord
 from ninfer_kv.journal import events as ev
@@ -185,6 +185,8 @@ def cases(s: KVStore, ck: int, a: int) -> dict[str, list[Any]]:
         "SetMetadata with bytes after the value": [ev.SetMetadata(ck, b"\x01\x02")],
         "SetMetadata over the limit": [ev.SetMetadata(ck, b"\xc0" * (ev.METADATA_MAX + 1))],
         "Recovered with torn fields": [ev.Recovered(1, b"\x01", b"\x01\x02")],
+        "Recovered moving the next id back": [ev.Recovered(1, b"", b"", nxt - 1)],
+        "Recovered past the last id": [ev.Recovered(1, b"", b"", MAX_BUNDLE + 2)],
     }
 
 # each case's refusal, worded: a refusal that falls through to another rule's message (its
@@ -253,6 +255,8 @@ WORDING = {
     'SetMetadata with bytes after the value': 'not one msgpack value',
     'SetMetadata over the limit': f'over {ev.METADATA_MAX}',
     'Recovered with torn fields': '1 and 2 bytes of kept and dropped seqs',
+    'Recovered moving the next id back': 'before the next one',
+    'Recovered past the last id': 'before the next one',
 }
 
 

@@ -25,7 +25,7 @@ from tests.engine.conftest import small_config
 def near_the_end(tmp_path: Path, left: int) -> KVStore:
     s = KVStore.open(small_config(tmp_path, pages=64, concurrency=4, journal=False,
                                   allocate_planes=False))
-    s.state.next_bundle = MAX_BUNDLE + 1 - left
+    s.state.next_bundle = s._ids_base = MAX_BUNDLE + 1 - left  # as after its last record
     return s
 
 

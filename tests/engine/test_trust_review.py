@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ninfer_kv.engine.capacity import Backend, ModelGeometry, ServingConfig
+from ninfer_kv.engine.state import ID_GAP
 from ninfer_kv.engine.store import KVStore, StoreConfig
 from ninfer_kv.errors import (
     ConfigError,
@@ -726,5 +727,5 @@ def test_a_child_forked_by_c_code_writes_nothing_into_the_parents_journal(
     step(s)
     s.close()
     s2 = host_store(tmp_path / "parent")
-    assert s2.recovery.cuts == [] and s2.state.next_bundle == b + 1
+    assert s2.recovery.cuts == [] and s2.state.next_bundle == b + 1 + ID_GAP  # the reopen's
     s2.close()

@@ -1,0 +1,125 @@
+"""No seq id comes back after a reopen (review finding, 2026-12-04): a boundary whose record
+failed to journal (fail-stop) lost the ids its commands had handed out, and the reopened
+store handed them out again — an engine that kept an id (a prefix index entry, a request
+table) across the reopen then continued another request's KV with it. A reopen now starts
+``ID_GAP`` ids past the journal's next one (``Recovered.next_id``), and the store keeps the
+ids handed out since its last durable record within that window (engine/state.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv import KVStore
+from ninfer_kv.cache import PrefixIndex
+from ninfer_kv.engine import state as state_mod
+from ninfer_kv.errors import IdsExhausted, StoreFailed, UnknownHandle
+from ninfer_kv.journal.log import SyncPolicy
+from ninfer_kv.replay import replay
+from tests.engine.conftest import crash, small_config
+
+
+def step(s: KVStore) -> None:
+    with s.boundary():
+        pass
+
+
+def committed(s: KVStore, tokens: int) -> int:
+    b = s.activate(tokens, 64)
+    s.ensure_mapped(b, "main", tokens)
+    step(s)
+    s.commit(b, "main", tokens)
+    return b
+
+
+def test_an_id_a_failed_boundary_lost_names_nothing_after_the_reopen(tmp_path: Path) -> None:
+    """The reviewer's case: a prefix is shared and indexed, the boundary that would journal it
+    fails (disk full), the store is reopened; a new request gets a new id, and the index's
+    stale entry is refused instead of continuing the new request's KV."""
+    cfg = small_config(tmp_path, pages=16, context=512, allocate_planes=False,
+                       host_bytes=1 << 20, persist_dir=str(tmp_path / "p"))
+    s = KVStore.open(cfg)
+    idx = PrefixIndex()
+    x = committed(s, 128)
+    step(s)
+    shared = s.share_prefix(x, 128)
+    idx.add(shared, [7] * 128)
+
+    def disk_full(*_: object, **__: object) -> int:
+        raise OSError(28, "No space left on device")
+    s.journal.append = disk_full  # type: ignore[method-assign, union-attr]
+    with pytest.raises(StoreFailed):
+        step(s)
+    s.close()
+    s = KVStore.open(cfg)
+    assert s.state.next_bundle >= shared + state_mod.ID_GAP
+    y = committed(s, 128)
+    assert y != shared and y > shared
+    m = idx.lookup([7] * 128)
+    assert m is not None and m.checkpoint == shared
+    with pytest.raises(UnknownHandle):
+        s.activate_from(m.checkpoint, m.tokens - 1, 128, 10)
+    step(s)
+    live = s.digest()
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == live  # Recovered.next_id replays
+
+
+def test_ids_of_a_crash_before_the_boundary_do_not_come_back(tmp_path: Path) -> None:
+    """``kill -9`` after an activation that no record holds: the reopened store's first id
+    is past it by ``ID_GAP``, whichever it was."""
+    s = KVStore.open(small_config(tmp_path, allocate_planes=False))
+    committed(s, 64)
+    step(s)
+    lost = s.activate(10, 10)  # never journaled
+    crash(s)
+    s = KVStore.open(small_config(tmp_path, allocate_planes=False))
+    assert lost not in s.state.bundles
+    assert s.activate(10, 10) == lost + state_mod.ID_GAP
+    s.close()
+
+
+@pytest.fixture
+def small_gap(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    return 8
+
+
+def test_a_record_is_made_durable_before_the_window_fills(tmp_path: Path,
+                                                            small_gap: int) -> None:
+    """``sync="commit"`` does not fsync a decode round's record, nor an admission's; once the
+    ids handed out since the last durable record pass half the window, the record that holds
+    them is fsynced, so a crash can lose at most the window's worth."""
+    s = KVStore.open(small_config(tmp_path, concurrency=16, allocate_planes=False,
+                                  sync=SyncPolicy.COMMIT))
+    j = s.journal
+    assert j is not None and j.durable_seq == j.last_seq
+    start = s.state.next_bundle
+    for k in range(1, 7):
+        s.activate(10, 10)
+        step(s)
+        handed = s.state.next_bundle - start
+        if handed <= small_gap // 2:
+            assert j.durable_seq < j.last_seq, k  # admissions alone: not durable
+        else:
+            assert j.durable_seq == j.last_seq, k
+            break
+    else:
+        raise AssertionError("no record was made durable")
+    s.close()
+
+
+def test_more_ids_in_one_step_than_the_window_are_refused_unchanged(tmp_path: Path,
+                                                                     small_gap: int) -> None:
+    s = KVStore.open(small_config(tmp_path, concurrency=16, allocate_planes=False))
+    for _ in range(small_gap):
+        s.activate(10, 10)
+    before = (s.digest(), len(s._pending))
+    with pytest.raises(IdsExhausted, match="run a boundary first"):
+        s.activate(10, 10)
+    assert (s.digest(), len(s._pending)) == before
+    step(s)
+    s.activate(10, 10)  # the boundary made them durable: the window is open again
+    s.close()
