@@ -75,6 +75,11 @@ class LruRetention:
     ``forget`` after ``release``; ``forget_gone`` restores it when something came between);
     ``children[p]`` counts indexed entries whose parent is ``p``."""
 
+    token_key = "tokens"
+    """The metadata key holding a checkpoint's token ids (``PrefixIndex.from_store``'s): a
+    tail trim gives the checkpoint holding the prefix the same metadata with the token ids
+    cut to what it holds, so an index rebuilt after a restart still finds it."""
+
     def __init__(self, priority: Callable[[int], int] | None = None,
                  block_tokens: int | None = None) -> None:
         self.entries: dict[int, Entry] = {}
@@ -254,8 +259,13 @@ class LruRetention:
         # the store first (a refusal leaves the policy as it was), then the policy follows;
         # the plan is kept until it has, so an interrupt in between is settled later
         self._trimming = (ck, store.state.next_bundle, blocks, e, kids)
+        meta = store.checkpoint_info(ck).metadata  # the release drops it with ck
         new = store.release_tail(ck, keep * P)
         assert new == self._trimming[1]
+        if isinstance(meta, dict) and isinstance(meta.get(self.token_key), list):
+            # never more ids than it holds: a continuation carrying this metadata (and an
+            # index rebuilt from it) must not claim another's tokens past its frontier
+            store.set_metadata(new, {**meta, self.token_key: meta[self.token_key][:keep * P]})
         self._settle_trim(store)
         log.debug("retention.trim", checkpoint=ck, kept=new, pages=keep)
         return "trim"

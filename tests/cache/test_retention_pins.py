@@ -134,3 +134,39 @@ def test_now_must_be_a_bool(now: object) -> None:
         s.sole_device_pages(ck, now=now)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="now"):
         s.reclaimable([ck], now=now)  # type: ignore[arg-type]
+
+
+def test_a_tail_trim_keeps_the_prefix_findable_after_a_restart(tmp_path: Any) -> None:
+    """The checkpoint a tail trim leaves holds the prefix's token ids, cut to its pages: an
+    index rebuilt from the store after a restart finds it (before, it had no metadata: it
+    survived, holding host extents, but no rebuilt index or policy knew it)."""
+    from ninfer_kv.cache import PrefixIndex
+    cfg = small_config(None, pages=8, context=512, journal=False, allocate_planes=False,
+                       host_bytes=1 << 20, persist_dir=str(tmp_path / "p"))
+    s = KVStore.open(cfg)
+    idx, pol = PrefixIndex(), LruRetention(block_tokens=64)
+    tokens = list(range(448))
+    b = s.activate(448, 0)
+    s.ensure_mapped(b, "main", 448)
+    step(s)
+    s.commit(b, "main", 448)
+    s.set_metadata(b, {"tokens": tokens, "model": "m"})
+    ck = s.finish(b, retain=True)
+    idx.add(ck, tokens)
+    pol.retain(ck, idx.block_hashes(tokens))
+    step(s)
+    with pytest.raises(CapacityExhausted) as exc:
+        s.activate(64, 64)
+    assert pol.make_room(s, exc.value.short) == "trim"
+    new = pol.renamed[ck]
+    kept = s.checkpoint_info(new).frontier
+    assert 0 < kept < 448
+    assert s.checkpoint_info(new).metadata == {"tokens": tokens[:kept], "model": "m"}
+    s.offload(new)
+    step(s)
+    s.close()
+    s = KVStore.open(cfg)
+    assert s.checkpoints() == [new]
+    m = PrefixIndex.from_store(s).lookup(tokens)
+    assert m is not None and m.checkpoint == new and m.tokens == kept
+    s.close()
