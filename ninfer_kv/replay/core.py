@@ -20,6 +20,7 @@ from ninfer_kv.errors import (
     UnappliableRecord,
 )
 from ninfer_kv.journal.reader import JournalReader
+from ninfer_kv.journal.recovery import iter_frames
 from ninfer_kv.journal.restore import usable_snapshots
 from ninfer_kv.replay.plain import replay_plain
 
@@ -145,9 +146,10 @@ def replay(directory: str | JournalReader, *, verify_every: int = 0, until_recor
         # nothing to do between events: decode rounds in compiled stretches (replay/plain.py)
         n_records, n_events = replay_plain(reader, st, start, until_record, progress)
     else:
-        for seq, events in reader.records(start):
+        for seq, off, payload in iter_frames(reader.scan, start):
             if until_record is not None and seq > until_record:
-                break
+                break  # before decoding: the record after the last asked for is not read
+            events = reader.decode(seq, off, payload)
             for i, e in enumerate(events):
                 apply_event(st, e, seq, i)
                 n_events += 1

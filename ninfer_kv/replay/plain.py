@@ -18,6 +18,7 @@ from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.record_kernels import apply_rounds
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.errors import APPLY_ERRORS, UnappliableRecord
+from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.format import FRAME_SIZE
 from ninfer_kv.journal.reader import JournalReader
 
@@ -60,6 +61,8 @@ def replay_plain(reader: JournalReader, st: StoreState, start: int, until: int |
     ``progress(seq, last)`` after each. Returns (records, events) applied."""
     n_records = n_events = 0
     last = reader.last_seq
+    # the parser reads what ``CODEC`` writes: a reader given another codec decodes it all
+    compiled = reader.codec is CODEC
     for seg in reader.scan.segments:
         rows = seg.frames.rows
         if not len(rows):
@@ -75,7 +78,7 @@ def replay_plain(reader: JournalReader, st: StoreState, start: int, until: int |
         hi = lo + rows[:, 1].astype(np.int64)
         view = memoryview(seg.data)
         while r < r_end:
-            at, e, n = _rounds(st, buf, lo, hi, r, r_end)
+            at, e, n = _rounds(st, buf, lo, hi, r, r_end) if compiled else (r, 0, 0)
             n_events += n
             n_records += at - r
             if at > r:

@@ -21,8 +21,9 @@ import ninfer_kv.replay.plain as plain
 from ninfer_kv.engine import record_kernels as rk
 from ninfer_kv.engine.state import StoreState, digest
 from ninfer_kv.engine.store import KVStore
+from ninfer_kv.errors import JournalCorrupt
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.events import CODEC, pack
+from ninfer_kv.journal.events import CODEC, EventCodec, pack
 from ninfer_kv.journal.reader import JournalReader
 from ninfer_kv.replay import replay
 from ninfer_kv.tools.sim_data import DEFAULT_TRACE, SimOptions, load_trace
@@ -292,3 +293,43 @@ def test_a_position_past_the_end_or_not_taken_reads_nothing() -> None:
     assert rk.str_equal(u8(b"main\xa4"), NO, 5, MAIN) == NO
     assert rk.bin_field(u8(b"\xc4\x00"), 0, 0) == (NO, 0, NO)
     assert rk.bin_field(u8(b"\x00\xc4"), NO, 2) == (NO, 0, NO)
+
+
+def test_replay_to_a_record_does_not_read_the_next(tmp_path: Path) -> None:
+    """Review finding: ``until_record=k`` with record k+1 undecodable. Plain replay never
+    read it; event-by-event replay decoded it before checking its seq and raised. Both now
+    stop at k with the same state."""
+    s = KVStore.open(small_config(tmp_path))
+    running(s, 100)
+    step(s)
+    assert s.journal is not None
+    k = s.journal.append([ev.CommitFrontiers("main", pack([1]), pack([110]))], durable=True)
+    s.journal.append_payload(b"\x91\xc1", durable=True)  # a valid CRC, no msgpack
+    s.close()
+    d = str(tmp_path / "journal")
+    a, b, c = (replay(d, until_record=k), replay(d, until_record=k, until_event=1 << 62),
+               replay(d, until_record=k, verify_every=1))
+    assert a.digest == b.digest == c.digest and a.records == b.records == c.records
+    for kw in ({}, {"until_event": 1 << 62}):
+        with pytest.raises(JournalCorrupt, match=f"record {k + 1} has a valid CRC"):
+            replay(d, **kw)  # type: ignore[arg-type]
+
+
+def test_a_reader_with_another_codec_decodes_every_record(tmp_path: Path) -> None:
+    """Review finding: the parser reads what the default codec writes; a ``JournalReader``
+    given another codec (here one that does not know CommitFrontiers) had its decode-round
+    records applied anyway. Plain replay now decodes them all with that codec, as
+    event-by-event replay does."""
+    import typing
+    s = KVStore.open(small_config(tmp_path))
+    running(s, 100)
+    step(s)
+    assert s.journal is not None
+    s.journal.append([ev.CommitFrontiers("main", pack([1]), pack([110]))], durable=True)
+    s.close()
+    d = str(tmp_path / "journal")
+    codec = EventCodec(typing.Union[tuple(t for t in typing.get_args(ev.Event)  # noqa: UP007
+                                          if t is not ev.CommitFrontiers)])
+    for kw in ({}, {"until_event": 1 << 62}):
+        with pytest.raises(JournalCorrupt, match="commit"):
+            replay(JournalReader(d, codec=codec), **kw)  # type: ignore[arg-type]
