@@ -56,6 +56,21 @@ def _be(buf: np.ndarray, p: int, n: int) -> int:
 
 
 @njit(nogil=True)
+def _sized(buf: np.ndarray, p: int, end: int, c8: int, c16: int, c32: int) -> tuple[int, int]:
+    """(length, start of what follows the header) of the value at ``p`` whose type byte is
+    ``c8``, ``c16`` or ``c32`` — msgpack's forms with an 8-, 16- or 32-bit big-endian length —
+    or (``NOT_TAKEN``, ``NOT_TAKEN``), also when the header is cut short."""
+    c = _byte(buf, p)
+    if c == c8 and p + 2 <= end:
+        return _byte(buf, p + 1), p + 2
+    if c == c16 and p + 3 <= end:
+        return _be(buf, p + 1, 2), p + 3
+    if c == c32 and p + 5 <= end:
+        return _be(buf, p + 1, 4), p + 5
+    return NOT_TAKEN, NOT_TAKEN
+
+
+@njit(nogil=True)
 def array_header(buf: np.ndarray, p: int, end: int) -> tuple[int, int]:
     """(items, position after the header) of the msgpack array at ``p``, or (``NOT_TAKEN``,
     ``NOT_TAKEN``). Like the two below, it passes on a ``NOT_TAKEN`` position it is given,
@@ -63,13 +78,9 @@ def array_header(buf: np.ndarray, p: int, end: int) -> tuple[int, int]:
     if p < 0 or p >= end:
         return NOT_TAKEN, NOT_TAKEN
     c = _byte(buf, p)
-    if c & 0xf0 == 0x90:
+    if c & 0xf0 == 0x90:  # fixarray
         return c & 0x0f, p + 1
-    if c == 0xdc and p + 3 <= end:
-        return _be(buf, p + 1, 2), p + 3
-    if c == 0xdd and p + 5 <= end:
-        return _be(buf, p + 1, 4), p + 5
-    return NOT_TAKEN, NOT_TAKEN
+    return _sized(buf, p, end, -1, 0xdc, 0xdd)  # array 16, 32 (no 8-bit form)
 
 
 @njit(nogil=True)
@@ -79,17 +90,11 @@ def str_equal(buf: np.ndarray, p: int, end: int, want: np.ndarray) -> int:
     if p < 0 or p >= end:
         return NOT_TAKEN
     c = _byte(buf, p)
-    if c & 0xe0 == 0xa0:
+    if c & 0xe0 == 0xa0:  # fixstr
         n, p = c & 0x1f, p + 1
-    elif c == 0xd9 and p + 2 <= end:
-        n, p = _byte(buf, p + 1), p + 2
-    elif c == 0xda and p + 3 <= end:
-        n, p = _be(buf, p + 1, 2), p + 3
-    elif c == 0xdb and p + 5 <= end:
-        n, p = _be(buf, p + 1, 4), p + 5
     else:
-        return NOT_TAKEN
-    if n != want.shape[0] or p + n > end:
+        n, p = _sized(buf, p, end, 0xd9, 0xda, 0xdb)  # str 8, 16, 32
+    if n != want.shape[0] or p + n > end:  # n = NOT_TAKEN is no length of a name
         return NOT_TAKEN
     for k in range(n):
         if buf[p + k] != want[k]:
@@ -103,16 +108,8 @@ def bin_field(buf: np.ndarray, p: int, end: int) -> tuple[int, int, int]:
     ``NOT_TAKEN``)."""
     if p < 0 or p >= end:
         return NOT_TAKEN, 0, NOT_TAKEN
-    c = _byte(buf, p)
-    if c == 0xc4 and p + 2 <= end:
-        n, s = _byte(buf, p + 1), p + 2
-    elif c == 0xc5 and p + 3 <= end:
-        n, s = _be(buf, p + 1, 2), p + 3
-    elif c == 0xc6 and p + 5 <= end:
-        n, s = _be(buf, p + 1, 4), p + 5
-    else:
-        return NOT_TAKEN, 0, NOT_TAKEN
-    if s + n > end:
+    n, s = _sized(buf, p, end, 0xc4, 0xc5, 0xc6)  # bin 8, 16, 32
+    if n < 0 or s + n > end:
         return NOT_TAKEN, 0, NOT_TAKEN
     return s, n, s + n
 
