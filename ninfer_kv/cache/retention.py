@@ -39,7 +39,7 @@ from ninfer_kv.engine.args import a_store, as_int
 from ninfer_kv.engine.layout import P
 from ninfer_kv.engine.state import MAX_BUNDLE
 from ninfer_kv.engine.store import KVStore
-from ninfer_kv.errors import InvalidArgument, UnknownHandle
+from ninfer_kv.errors import IdsExhausted, InvalidArgument, UnknownHandle
 
 log = structlog.get_logger(__name__)
 
@@ -260,12 +260,20 @@ class LruRetention:
         # the plan is kept until it has, so an interrupt in between is settled later
         self._trimming = (ck, store.state.next_bundle, blocks, e, kids)
         meta = store.checkpoint_info(ck).metadata  # the release drops it with ck
-        new = store.release_tail(ck, keep * P)
+        try:
+            new = store.release_tail(ck, keep * P)
+        except IdsExhausted:  # no id for the prefix now (the window of one step is spent)
+            self._trimming = None
+            return self._release(store, ck)
         assert new == self._trimming[1]
         if isinstance(meta, dict) and isinstance(meta.get(self.token_key), list):
             # never more ids than it holds: a continuation carrying this metadata (and an
             # index rebuilt from it) must not claim another's tokens past its frontier
-            store.set_metadata(new, {**meta, self.token_key: meta[self.token_key][:keep * P]})
+            try:
+                store.set_metadata(new, {**meta, self.token_key: meta[self.token_key][:keep * P]})
+            except InvalidArgument as exc:  # no room left in this record (METADATA_PER_RECORD):
+                log.warning("retention.trim_metadata_dropped", checkpoint=new,  # the trim
+                            reason=str(exc))  # stands, the prefix unfindable after a restart
         self._settle_trim(store)
         log.debug("retention.trim", checkpoint=ck, kept=new, pages=keep)
         return "trim"

@@ -170,3 +170,60 @@ def test_a_tail_trim_keeps_the_prefix_findable_after_a_restart(tmp_path: Any) ->
     m = PrefixIndex.from_store(s).lookup(tokens)
     assert m is not None and m.checkpoint == new and m.tokens == kept
     s.close()
+
+
+def _indexed_prefix(s: KVStore, pol: LruRetention) -> int:
+    from ninfer_kv.cache import PrefixIndex
+    idx, tokens = PrefixIndex(), list(range(448))
+    b = s.activate(448, 0)
+    s.ensure_mapped(b, "main", 448)
+    step(s)
+    s.commit(b, "main", 448)
+    s.set_metadata(b, {"tokens": tokens})
+    ck = s.finish(b, retain=True)
+    pol.retain(ck, idx.block_hashes(tokens))
+    step(s)
+    return ck
+
+
+def test_a_trim_without_an_id_left_in_the_step_releases(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Review finding: the ids one step may hand out spent (``state.ID_GAP``, 8 here),
+    ``release_tail`` is refused (it needs an id) and ``make_room`` raised IdsExhausted; it
+    releases the victim instead."""
+    from ninfer_kv.engine import state as state_mod
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    s = KVStore.open(small_config(None, pages=8, context=512, journal=False,
+                                  allocate_planes=False))
+    pol = LruRetention(block_tokens=64)
+    ck = _indexed_prefix(s, pol)
+    with pytest.raises(Exception, match="run a boundary first"):  # noqa: PT011
+        for _ in range(9):
+            s.finish(s.activate(1, 1))
+    assert pol.make_room(s, 1) == "release" and ck not in s.checkpoints()
+    assert pol._trimming is None
+
+
+def test_a_trim_whose_metadata_finds_no_room_stands_without_it() -> None:
+    """Review finding: the record's metadata budget spent (``METADATA_PER_RECORD``), the
+    trim's ``set_metadata`` was refused after ``release_tail`` ran, and the InvalidArgument
+    escaped ``make_room`` with the policy's plan left pending. The trim stands (logged), the
+    policy follows it."""
+    from ninfer_kv.journal.events import METADATA_MAX, METADATA_PER_RECORD
+    s = KVStore.open(small_config(None, pages=8, context=512, journal=False,
+                                  allocate_planes=False))
+    pol = LruRetention(block_tokens=64)
+    ck = _indexed_prefix(s, pol)
+    other = s.activate(1, 0)
+    left = METADATA_PER_RECORD - 200
+    while left > 0:
+        n = min(METADATA_MAX, left) - 5
+        s.set_metadata(other, b"x" * n)
+        left -= n + 5
+    s.finish(other)
+    with pytest.raises(CapacityExhausted) as exc:
+        s.activate(64, 64)
+    assert pol.make_room(s, exc.value.short) == "trim"
+    new = pol.renamed[ck]
+    assert s.checkpoints() == [new] and s.checkpoint_info(new).metadata is None
+    assert pol._trimming is None and new in pol.entries
