@@ -148,6 +148,9 @@ class RecoveryReport:
     snapshot_seq: int = 0
     """The snapshot recovery started from (0: none, the whole log was replayed)."""
     cuts: list[str] = field(default_factory=list)
+    cut_bytes: int = 0
+    """Bytes this and earlier recoveries cut (``journal.recovery.CUT_NOTE``): the reopen
+    skips as many more seq ids (engine/restart.py)."""
     kept: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
     snapshots_skipped: list[str] = field(default_factory=list)

@@ -36,13 +36,14 @@ from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot, violations
-from ninfer_kv.engine.state import StoreState
+from ninfer_kv.engine.state import ID_GAP, MAX_BUNDLE, StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.fs import OS_FS, fsync_dir, open_private, replace_durably
 from ninfer_kv.journal.lock import lock_dirs
 from ninfer_kv.journal.log import Journal, JournalOptions
+from ninfer_kv.journal.recovery import clear_cut_note, cut_note
 from ninfer_kv.journal.restore import recover_state
 
 if TYPE_CHECKING:
@@ -258,6 +259,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 skipped=report.snapshots_skipped, on_snapshot=used)
             report.records = last
             report.cuts = [str(c) for c in res.cuts]
+            report.cut_bytes = sum(c.bytes_cut for c in res.cuts) + cut_note(jdir)
             broken = violations(state)
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
@@ -309,11 +311,15 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             store._emit(ev.Configure(specs, plan.to_dict()))
             if config.host_bytes:
                 store._emit(ev.HostConfigure(config.host_bytes, int(arena_path is not None)))
+            if report.cut_bytes:  # a journal cut back to nothing: its ids must not return
+                store._emit(ev.Recovered(0, b"", b"", min(report.cut_bytes + ID_GAP,
+                                                          MAX_BUNDLE + 1)))
         else:
             store._recover_cleanup()
         store._publish_record()
         if store.journal is not None:
             store.journal.sync()
+            clear_cut_note(jdir)  # the reopen record holds what it accounted for
         return store
     except BaseException:
         for f in reversed(opened):

@@ -61,10 +61,12 @@ def recover_cleanup(store: Txn) -> None:
         if stale:
             store._emit(ev.DeviceDrop(name, pack(stale)))
     # the marker goes first in the record: applied last, moved first, which is exact as its
-    # one change (the next id, ID_GAP on: no id a lost record handed out comes back) is to
-    # a field no event of the record reads
+    # one change (the next id, ID_GAP on: no id a lost record handed out comes back; and as
+    # many as the bytes recoveries cut, each id needing at least one) is to a field no event
+    # of the record reads
     store._emit(ev.Recovered(rep.records, pack(rep.kept), pack(sorted(rep.dropped)),
-                             min(st.next_bundle + state.ID_GAP, MAX_BUNDLE + 1)))
+                             min(st.next_bundle + state.ID_GAP + rep.cut_bytes,
+                                 MAX_BUNDLE + 1)))
     store._pending.insert(0, store._pending.pop())
     log_dropped(rep.dropped)
     log.info("store.recovered", records=rep.records, kept=rep.kept,

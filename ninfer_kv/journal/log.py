@@ -36,6 +36,7 @@ from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, replace_durabl
 from ninfer_kv.journal.lock import DirLock
 from ninfer_kv.journal.recovery import (
     ScanResult,
+    add_cut_note,
     apply_repairs,
     list_segments,
     list_snapshots,
@@ -145,6 +146,8 @@ class Journal:
             for name in fs.listdir(directory):
                 if TMP_RE.match(name):
                     fs.remove(os.path.join(directory, name))
+            # first: the records cut may have handed out seq ids a store must not reuse
+            add_cut_note(directory, sum(c.bytes_cut for c in res.cuts), fs)
             apply_repairs(res, fs)
             if res.segments:  # make what recovery kept durable before a later segment exists
                 f = fs.open_append(res.segments[-1].path)

@@ -123,3 +123,66 @@ def test_more_ids_in_one_step_than_the_window_are_refused_unchanged(tmp_path: Pa
     step(s)
     s.activate(10, 10)  # the boundary made them durable: the window is open again
     s.close()
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        c = f.read(1)
+        f.seek(at)
+        f.write(bytes([c[0] ^ 1]))
+
+
+def _many(s: KVStore, n: int) -> list[int]:
+    """``n`` admissions, finished, in boundaries of 5: all journaled."""
+    out: list[int] = []
+    while len(out) < n:
+        batch = [s.activate(10, 10) for _ in range(5)]
+        step(s)
+        for b in batch:
+            s.finish(b)
+        step(s)
+        out += batch
+    return out
+
+
+@pytest.mark.parametrize("sync", [SyncPolicy.OFF, SyncPolicy.COMMIT])
+def test_ids_in_records_a_recovery_cut_do_not_come_back(tmp_path: Path, small_gap: int,
+                                                       sync: SyncPolicy) -> None:
+    """Review finding: a cut can take any number of records — under ``sync="off"`` a flipped
+    bit mid-log reads as a torn tail and the store cuts from there; under ``commit`` the open
+    refuses and ``Journal.open(salvage=True)`` (the README's remedy) cuts. Their ids came
+    back: the reopen skipped only ``ID_GAP``. It now skips as many more ids as bytes were cut
+    (each id takes at least one), noted durably before the cut (``journal.recovery.CUT_NOTE``)
+    and cleared once the reopen record holds it."""
+    from ninfer_kv.engine.opening import CODEC
+    from ninfer_kv.errors import JournalCorrupt
+    from ninfer_kv.journal.log import Journal, JournalOptions
+    from ninfer_kv.journal.recovery import CUT_NOTE
+    cfg = small_config(tmp_path, concurrency=16, allocate_planes=False, sync=sync)
+    s = KVStore.open(cfg)
+    assert s.journal is not None
+    start = s.journal._file.tell()
+    handed = [s.activate(10, 10)]
+    step(s)
+    end = s.journal._file.tell()
+    handed += _many(s, 60)
+    s.close()
+    _flip(tmp_path / "journal" / "seg-00000001.log", (start + end) // 2)
+    note = tmp_path / "journal" / CUT_NOTE
+    if sync is SyncPolicy.COMMIT:
+        with pytest.raises(JournalCorrupt):
+            KVStore.open(cfg)
+        Journal.open(str(tmp_path / "journal"), CODEC, JournalOptions(salvage=True)).close()
+        assert note.exists()
+    s = KVStore.open(cfg)
+    assert s.recovery.cut_bytes > 0 and not note.exists()
+    new = [s.activate(10, 10) for _ in range(3)]
+    assert min(new) > max(handed)
+    step(s)
+    live = s.digest()
+    s.close()
+    assert replay(str(tmp_path / "journal")).digest == live
+    s = KVStore.open(cfg)  # nothing cut this time: the gap alone
+    assert s.recovery.cut_bytes == 0 and s.activate(10, 10) > max(new)
+    s.close()
