@@ -58,6 +58,7 @@ from ninfer_kv.dist.stream import (
     encode_hello,
     encode_message,
 )
+from ninfer_kv.engine import state as state_mod
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.config import StoreConfig
 from ninfer_kv.engine.durability import changes_what_survives
@@ -124,6 +125,7 @@ class Leader:
         self._send = send
         self._acks = list(acks)
         self._durable = False                 # a record since the last message must survive
+        self._ids_acked = st.next_bundle      # the next seq id as of the last acked message
         self.send_digest = send_digest
         self.salt = random.getrandbits(32)
         self._crc = crc32c(encode_state(st))  # the chain starts at the state followers load
@@ -140,7 +142,15 @@ class Leader:
     def _on_record(self, seq: int, events: list[Any]) -> None:
         frame, self._crc = pack_record(seq, self._crc, self.salt, 0, CODEC.encode(events))
         self._frames.append(frame)
-        self._durable = self._durable or changes_what_survives(events, self.store.state)
+        st = self.store.state
+        self._durable = self._durable or changes_what_survives(events, st)
+        if self._acks:  # a standby's journal must not lag the ids the leader hands out by
+            # more than a promotion's reopen skips (state.ID_GAP): past half of it, the
+            # message is acknowledged (the standby fsyncs first), and the leader's own
+            # window counts from the ids acknowledged too
+            self._durable = (self._durable
+                             or st.next_bundle - self._ids_acked > state_mod.ID_GAP // 2)
+            self.store._ids_base = min(self.store._ids_base, self._ids_acked)
 
     def _await_acks(self, n: int) -> None:
         """Every standby's ack of message ``n``, or stop the stream: a boundary whose durable
@@ -225,6 +235,7 @@ class Leader:
         if wait:
             self._await_acks(self._n)
             self.stats["acked"] += 1
+            self._ids_acked = self.store.state.next_bundle
         return len(msg)
 
     def _check_streaming(self) -> None:

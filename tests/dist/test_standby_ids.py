@@ -1,0 +1,64 @@
+"""A promoted standby hands out no id its leader handed out (review finding, 2026-12-04):
+the leader acknowledged only messages that change what a reopen keeps, so a standby's
+journal could lag the leader's ids without limit (admissions are never durable on their
+own); when the leader died, the promoted standby handed out ids the leader had returned.
+The leader now asks for an ack once the ids since the last acknowledged message pass half
+of ``state.ID_GAP`` — what a promotion's reopen skips — and a standby that cannot make them
+durable stops the stream within that window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ninfer_kv import KVStore
+from ninfer_kv.dist import Follower, Leader
+from ninfer_kv.dist.errors import StreamBroken
+from ninfer_kv.engine import state as state_mod
+from ninfer_kv.journal.log import SyncPolicy
+from tests.dist.test_standby import Link, cfg
+
+
+class FullDisk:
+    """The standby's segment file once its disk is full: writes fail, the rest works."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def write(self, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_promoted_standby_hands_out_no_id_its_leader_did(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    link = Link()
+    store = KVStore.open(cfg(tmp_path, "leader", sync=SyncPolicy.COMMIT))  # type: ignore[arg-type]
+    leader = Leader(store, link.send, send_digest=False, acks=[link.ack])
+    link.follower = Follower.from_hello(cfg(tmp_path, "standby", sync=SyncPolicy.COMMIT),  # type: ignore[arg-type]
+                                        link.hello, ack=link.acks.append)
+    standby = link.follower
+    handed: list[int] = []
+    with pytest.raises(StreamBroken):
+        for i in range(40):  # admissions only: no record changes what a reopen keeps
+            if i == 3:
+                j = standby.store.journal
+                assert j is not None
+                j._file = FullDisk(j._file)  # type: ignore[assignment]
+            batch = [store.activate(10, 10), store.activate(10, 10)]
+            for b in batch:
+                store.finish(b)
+            handed += batch
+            with leader.boundary():
+                pass
+    assert leader.failed is not None  # the leader learned within the window
+    promoted = standby.promote()      # the leader's process is gone
+    new = [promoted.activate(10, 10) for _ in range(3)]
+    assert not set(new) & set(handed), (new, handed)
+    promoted.close()
+    store.close()
