@@ -308,9 +308,14 @@ def add_cut_note(directory: str, cut: int, fs: FileSystem = OS_FS) -> None:
 
 
 def clear_cut_note(directory: str, fs: FileSystem = OS_FS) -> None:
-    if CUT_NOTE in fs.listdir(directory):
-        fs.remove(os.path.join(directory, CUT_NOTE))
-        fs.fsync_dir(directory)
+    """Remove ``CUT_NOTE``. A failure is logged, not raised: a note left behind only makes
+    the next reopen skip more ids than it must."""
+    try:
+        if CUT_NOTE in fs.listdir(directory):
+            fs.remove(os.path.join(directory, CUT_NOTE))
+            fs.fsync_dir(directory)
+    except OSError as exc:
+        log.warning("journal.cut_note_left", directory=directory, error=str(exc))
 
 
 __all__ = ["CUT_NOTE", "FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "add_cut_note",
