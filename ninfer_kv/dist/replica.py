@@ -61,7 +61,7 @@ from ninfer_kv.dist.stream import (
 from ninfer_kv.engine import state as state_mod
 from ninfer_kv.engine.args import as_int
 from ninfer_kv.engine.config import StoreConfig
-from ninfer_kv.engine.durability import changes_what_survives
+from ninfer_kv.engine.durability import changes_what_survives, ids_window
 from ninfer_kv.engine.state import digest, encode_state
 from ninfer_kv.engine.store import KVStore
 from ninfer_kv.errors import ConfigError, InvalidArgument
@@ -125,7 +125,6 @@ class Leader:
         self._send = send
         self._acks = list(acks)
         self._durable = False                 # a record since the last message must survive
-        self._ids_acked = st.next_bundle      # the next seq id as of the last acked message
         self.send_digest = send_digest
         self.salt = random.getrandbits(32)
         self._crc = crc32c(encode_state(st))  # the chain starts at the state followers load
@@ -138,19 +137,26 @@ class Leader:
                                          st.plan, encode_state(st), digest(st)))
         self._transmit(self._hello)
         store.record_hook = self._on_record
+        if self._acks:
+            ids_window(store, st.next_bundle)
+
+    def _detach(self) -> None:
+        """The stream is over (ended, failed or closed): the store's records go nowhere, and
+        its id window no longer waits on standbys."""
+        self.store.record_hook = None
+        ids_window(self.store, None)
 
     def _on_record(self, seq: int, events: list[Any]) -> None:
         frame, self._crc = pack_record(seq, self._crc, self.salt, 0, CODEC.encode(events))
         self._frames.append(frame)
         st = self.store.state
         self._durable = self._durable or changes_what_survives(events, st)
-        if self._acks:  # a standby's journal must not lag the ids the leader hands out by
-            # more than a promotion's reopen skips (state.ID_GAP): past half of it, the
-            # message is acknowledged (the standby fsyncs first), and the leader's own
-            # window counts from the ids acknowledged too
-            self._durable = (self._durable
-                             or st.next_bundle - self._ids_acked > state_mod.ID_GAP // 2)
-            self.store._ids_base = min(self.store._ids_base, self._ids_acked)
+        acked = self.store._ids_acked
+        if acked is not None:  # a standby's journal must not lag the ids the leader hands
+            # out by more than a promotion's reopen skips (state.ID_GAP): past half of it,
+            # the message is acknowledged (the standby fsyncs first); the store's window
+            # counts from the ids acknowledged too (durability.ids_window)
+            self._durable = self._durable or st.next_bundle - acked > state_mod.ID_GAP // 2
 
     def _await_acks(self, n: int) -> None:
         """Every standby's ack of message ``n``, or stop the stream: a boundary whose durable
@@ -165,7 +171,7 @@ class Leader:
                 why = f"no ack from standby {i}: {type(exc).__name__}: {exc}"
             if why is not None:
                 self.failed = why
-                self.store.record_hook = None
+                self._detach()
                 self._drain_acks(self._acks[i + 1:])  # the later standbys got it too
                 self._n += 1
                 with contextlib.suppress(Exception):
@@ -198,7 +204,7 @@ class Leader:
             self._send(message)
         except Exception as exc:
             self.failed = f"a send failed: {type(exc).__name__}: {exc}"
-            self.store.record_hook = None
+            self._detach()
             if acked and isinstance(exc, SendFailed):  # who got it is known: drain those
                 self._drain_acks(self._acks, exc.ranks)
             self._n += 1
@@ -231,11 +237,11 @@ class Leader:
         self.stats["bytes"] += len(msg)
         if flags & (END | FAILED):  # followers stop here (a standby would never ack a later
             self.ended = True        # message): so does the leader
-            self.store.record_hook = None
+            self._detach()
         if wait:
             self._await_acks(self._n)
             self.stats["acked"] += 1
-            self._ids_acked = self.store.state.next_bundle
+            ids_window(self.store, self.store.state.next_bundle)
         return len(msg)
 
     def _check_streaming(self) -> None:
@@ -266,7 +272,7 @@ class Leader:
     def _stop(self, flags: int) -> None:
         with contextlib.suppress(Exception):  # best effort: the followers must not wait forever
             self.flush(flags=flags)
-        self.store.record_hook = None
+        self._detach()
 
     def close(self) -> None:
         """Ship what is pending and tell the followers the stream ended. The store stays
@@ -285,7 +291,7 @@ class Leader:
                 self._stop(FAILED)
                 raise
         self.flush(flags=END)
-        self.store.record_hook = None
+        self._detach()
 
 
 def _note(note: bytes) -> bytes:

@@ -149,8 +149,10 @@ class RecoveryReport:
     """The snapshot recovery started from (0: none, the whole log was replayed)."""
     cuts: list[str] = field(default_factory=list)
     cut_bytes: int = 0
-    """Bytes this and earlier recoveries cut (``journal.recovery.CUT_NOTE``): the reopen
-    skips as many more seq ids (engine/restart.py)."""
+    """Bytes this and earlier recoveries cut (``journal.ids.CUT_NOTE``): the reopen skips as
+    many more seq ids (engine/restart.py)."""
+    id_floor: int = 0
+    """The first seq id the last reopen handed out from (``journal.ids.NEXT_ID``)."""
     kept: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
     snapshots_skipped: list[str] = field(default_factory=list)

@@ -66,9 +66,9 @@ class StoreCore:
                                             config.allocate_planes)
         self._journaled = journal is not None  # close() drops the journal, not this fact
         self._pending: list[Any] = []
-        self._ids_base = state.next_bundle  # the next id as of the last durable record
-        # events applied that no record holds for sure: a failed command's, and every event
-        # of a failed boundary; ``checkpoint_info`` reports nothing they touch as surviving
+        self._ids_durable = self._ids_base = state.next_bundle  # durability.settle_ids
+        self._ids_acked: int | None = None  # a Leader's: the next id its standbys hold
+        # applied, no record holds them for sure (failed command/boundary): never "surviving"
         self._unjournaled: list[Any] = []
         self._in_boundary: list[Any] = []  # the events the running boundary journaled
         self._applied = 0  # events handed to apply, ever: ``command`` compares it
@@ -275,7 +275,7 @@ class StoreCore:
             else:
                 seq += 1
             self.state.seq = seq
-            self._ids_base = settle_ids(self.journal, seq, self.state, self._ids_base)
+            settle_ids(self, seq)
             self.stats["records"] += 1
             self.stats["events"] += len(self._pending)
             self._in_boundary += self._pending

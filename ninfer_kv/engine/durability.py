@@ -4,12 +4,15 @@ them; a decode round's records are not (active sequences are aborted by a reopen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ninfer_kv.engine import state
 from ninfer_kv.engine.state import StoreState
 from ninfer_kv.journal import events as ev
-from ninfer_kv.journal.log import Journal, SyncPolicy
+from ninfer_kv.journal.log import SyncPolicy
+
+if TYPE_CHECKING:
+    from ninfer_kv.engine.txn import Txn
 
 SURVIVAL_EVENTS = (ev.Configure, ev.HostConfigure, ev.Recovered, ev.Finish, ev.Release,
                    ev.Move, ev.Share, ev.Prefix, ev.HostPublish, ev.HostAbort, ev.HostDrop,
@@ -53,14 +56,29 @@ def changes_what_survives(events: list[Any], st: StoreState) -> bool:
     return False
 
 
-def settle_ids(journal: Journal | None, seq: int, st: StoreState, base: int) -> int:
-    """The store's id base (``state.new_ids``) after record ``seq`` was written: the next id
-    once a durable record holds every id handed out — this one, or it after an fsync made
-    because the ids since ``base`` passed ``ID_GAP // 2`` (at most one fsync per 32k ids) —
-    else ``base``. Without a journal, or with ``sync="off"`` (which promises nothing across
-    a power loss), every written record counts."""
+def settle_ids(store: Txn, seq: int) -> None:
+    """After record ``seq`` was written: ``store._ids_durable`` becomes the next id once a
+    durable record holds every id handed out — this one, or it after an fsync made because
+    the ids since the last such record passed ``ID_GAP // 2`` (at most one fsync per 32k
+    ids); without a journal, or with ``sync="off"`` (which promises nothing across a power
+    loss), every written record counts. Then ``ids_window``."""
+    journal, st = store.journal, store.state
     if journal is None or journal.options.sync is SyncPolicy.OFF:
-        return st.next_bundle
-    if st.next_bundle - base > state.ID_GAP // 2 and journal.durable_seq < seq:
-        journal.sync()
-    return st.next_bundle if journal.durable_seq >= seq else base
+        store._ids_durable = st.next_bundle
+    else:
+        if st.next_bundle - store._ids_durable > state.ID_GAP // 2 and journal.durable_seq < seq:
+            journal.sync()
+        if journal.durable_seq >= seq:
+            store._ids_durable = st.next_bundle
+    ids_window(store)
+
+
+def ids_window(store: Txn, acked: int | None | bool = False) -> None:
+    """``store._ids_base``, where ``state.new_ids`` counts the window from: the next id as of
+    the last durable record, or — with standbys (``acked``: what a ``Leader``'s standbys last
+    acknowledged; None when it has none; left as it was by default) — the lower of that and
+    the next id they hold."""
+    if acked is not False:
+        store._ids_acked = acked  # type: ignore[assignment]
+    a = store._ids_acked
+    store._ids_base = store._ids_durable if a is None else min(store._ids_durable, a)

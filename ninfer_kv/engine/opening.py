@@ -41,9 +41,9 @@ from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, Journ
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
 from ninfer_kv.journal.fs import OS_FS, fsync_dir, open_private, replace_durably
+from ninfer_kv.journal.ids import CUT_NOTE, NEXT_ID, clear_cut_note, read_count, write_count
 from ninfer_kv.journal.lock import lock_dirs
 from ninfer_kv.journal.log import Journal, JournalOptions
-from ninfer_kv.journal.recovery import clear_cut_note, cut_note
 from ninfer_kv.journal.restore import recover_state
 
 if TYPE_CHECKING:
@@ -259,7 +259,8 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 skipped=report.snapshots_skipped, on_snapshot=used)
             report.records = last
             report.cuts = [str(c) for c in res.cuts]
-            report.cut_bytes = sum(c.bytes_cut for c in res.cuts) + cut_note(jdir)
+            report.cut_bytes = sum(c.bytes_cut for c in res.cuts) + read_count(jdir, CUT_NOTE)
+            report.id_floor = read_count(jdir, NEXT_ID)
             broken = violations(state)
             if broken:
                 raise JournalCorrupt(res.segments[-1].number if res.segments else 0, 0,
@@ -311,11 +312,13 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
             store._emit(ev.Configure(specs, plan.to_dict()))
             if config.host_bytes:
                 store._emit(ev.HostConfigure(config.host_bytes, int(arena_path is not None)))
-            if report.cut_bytes:  # a journal cut back to nothing: its ids must not return
-                store._emit(ev.Recovered(0, b"", b"", min(report.cut_bytes + ID_GAP,
-                                                          MAX_BUNDLE + 1)))
+            if report.cut_bytes or report.id_floor:  # a journal cut back to nothing: its
+                store._emit(ev.Recovered(0, b"", b"", min(  # ids must not return either
+                    report.id_floor + ID_GAP + report.cut_bytes, MAX_BUNDLE + 1)))
         else:
             store._recover_cleanup()
+        if jdir is not None:  # before the record: whatever a later recovery cuts from the
+            write_count(jdir, NEXT_ID, store.state.next_bundle)  # log, ids stay above it
         store._publish_record()
         if store.journal is not None:
             store.journal.sync()

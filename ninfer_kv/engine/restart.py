@@ -61,12 +61,13 @@ def recover_cleanup(store: Txn) -> None:
         if stale:
             store._emit(ev.DeviceDrop(name, pack(stale)))
     # the marker goes first in the record: applied last, moved first, which is exact as its
-    # one change (the next id, ID_GAP on: no id a lost record handed out comes back; and as
-    # many as the bytes recoveries cut, each id needing at least one) is to a field no event
-    # of the record reads
+    # one change is to a field no event of the record reads: the next id, past every id
+    # handed out before — those in the log, those below the last reopen's first (NEXT_ID:
+    # a cut may have taken its record), those of records lost since the last durable one
+    # (ID_GAP: the store keeps them within it) and those of records cut (one byte each)
     store._emit(ev.Recovered(rep.records, pack(rep.kept), pack(sorted(rep.dropped)),
-                             min(st.next_bundle + state.ID_GAP + rep.cut_bytes,
-                                 MAX_BUNDLE + 1)))
+                             min(max(st.next_bundle, rep.id_floor) + state.ID_GAP
+                                 + rep.cut_bytes, MAX_BUNDLE + 1)))
     store._pending.insert(0, store._pending.pop())
     log_dropped(rep.dropped)
     log.info("store.recovered", records=rep.records, kept=rep.kept,

@@ -35,7 +35,9 @@ class Txn(Protocol):
     stats: dict[str, int]
     fault_hook: Callable[[str, str], None] | None
     _pending: list[Any]
-    _ids_base: int             # the next seq id as of the last durable record (new_ids)
+    _ids_base: int             # where new_ids counts the id window from (durability.py)
+    _ids_durable: int          # the next seq id as of the last durable record
+    _ids_acked: int | None     # a Leader's: the next seq id its standbys acknowledged
     _unjournaled: list[Any]    # applied, but no record holds them for sure (a failure's)
     _journaled: bool           # opened with a journal (still true after close)
     _effects: list[Any]        # ev.CopyTail | ev.DeviceRestore, run in emission order

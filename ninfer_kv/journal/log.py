@@ -33,10 +33,10 @@ from ninfer_kv.journal.format import (
     snapshot_name,
 )
 from ninfer_kv.journal.fs import OS_FS, FileSystem, WritableFile, replace_durably
+from ninfer_kv.journal.ids import add_cut_note
 from ninfer_kv.journal.lock import DirLock
 from ninfer_kv.journal.recovery import (
     ScanResult,
-    add_cut_note,
     apply_repairs,
     list_segments,
     list_snapshots,

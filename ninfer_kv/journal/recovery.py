@@ -25,7 +25,7 @@ from ninfer_kv.journal.format import (
     parse_snapshot,
 )
 from ninfer_kv.journal.frames import FrameTable, scan_frames
-from ninfer_kv.journal.fs import OS_FS, FileSystem, cannot_read, replace_durably
+from ninfer_kv.journal.fs import OS_FS, FileSystem, cannot_read
 
 log = structlog.get_logger(__name__)
 
@@ -283,41 +283,5 @@ def list_snapshots(directory: str, fs: FileSystem = OS_FS) -> list[tuple[int, st
     return _numbered(directory, SNAP_RE, fs)
 
 
-CUT_NOTE = "CUT"
-"""The bytes recoveries cut from this journal (a decimal integer) that no reopened store has
-yet accounted for: a store skips at least that many seq ids past the log's next one, since
-the records cut may have handed them out (engine/restart.py). Written durably before a cut is
-made; removed by the store once its reopen record is durable."""
-
-
-def cut_note(directory: str, fs: FileSystem = OS_FS) -> int:
-    """The bytes ``CUT_NOTE`` holds (0 when there is none)."""
-    if CUT_NOTE not in fs.listdir(directory):
-        return 0
-    text = fs.read(os.path.join(directory, CUT_NOTE), 64)
-    try:
-        return max(0, int(text))
-    except ValueError:  # damaged: assume the most a journal's ids allow
-        return 1 << 31
-
-
-def add_cut_note(directory: str, cut: int, fs: FileSystem = OS_FS) -> None:
-    if cut > 0:
-        replace_durably(fs, os.path.join(directory, CUT_NOTE),
-                        f"{cut_note(directory, fs) + cut}\n".encode())
-
-
-def clear_cut_note(directory: str, fs: FileSystem = OS_FS) -> None:
-    """Remove ``CUT_NOTE``. A failure is logged, not raised: a note left behind only makes
-    the next reopen skip more ids than it must."""
-    try:
-        if CUT_NOTE in fs.listdir(directory):
-            fs.remove(os.path.join(directory, CUT_NOTE))
-            fs.fsync_dir(directory)
-    except OSError as exc:
-        log.warning("journal.cut_note_left", directory=directory, error=str(exc))
-
-
-__all__ = ["CUT_NOTE", "FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "add_cut_note",
-           "apply_repairs", "clear_cut_note", "cut_note", "iter_frames", "list_segments",
-           "list_snapshots", "read_file", "scan"]
+__all__ = ["FRAME_OVERHEAD", "FRAME_SIZE", "Cut", "ScanResult", "apply_repairs", "iter_frames",
+           "list_segments", "list_snapshots", "read_file", "scan"]

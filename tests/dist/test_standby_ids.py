@@ -62,3 +62,23 @@ def test_a_promoted_standby_hands_out_no_id_its_leader_did(tmp_path: Path,
     assert not set(new) & set(handed), (new, handed)
     promoted.close()
     store.close()
+
+
+def test_after_an_ack_a_step_gets_the_whole_window(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: the leader lowered the store's window to the acknowledged ids before
+    the message went and never raised it after the ack, so each step after an ack got less
+    than half the window a plain store gets."""
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    link = Link()
+    store = KVStore.open(cfg(tmp_path, "leader", sync=SyncPolicy.COMMIT))  # type: ignore[arg-type]
+    leader = Leader(store, link.send, send_digest=False, acks=[link.ack])
+    link.follower = Follower.from_hello(cfg(tmp_path, "standby", sync=SyncPolicy.COMMIT),  # type: ignore[arg-type]
+                                        link.hello, ack=link.acks.append)
+    for _ in range(4):  # 6 ids a step: over half the window, so every message is acked
+        for _ in range(6):
+            store.finish(store.activate(10, 10))
+        with leader.boundary():
+            pass
+    assert leader.failed is None and leader.stats["acked"] >= 3 and not link.errors
+    store.close()
