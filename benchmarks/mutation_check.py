@@ -113,7 +113,7 @@ RAISE_MODULES = ("engine/core.py", "engine/command.py", "engine/store.py", "engi
                  "engine/opening.py", "engine/checked.py", "engine/args.py", "engine/config.py",
                  "engine/capacity.py", "journal/lock.py", "journal/log.py", "journal/recovery.py",
                  "journal/restore.py",
-                 "journal/reader.py", "kernels/checks.py", "kernels/append.py", "kernels/copy.py",
+                 "journal/reader.py", "journal/ids.py", "kernels/checks.py", "kernels/append.py", "kernels/copy.py",
                  "kernels/prefill.py", "kernels/attention.py", "engine/views.py",
                  "integrations/transformers.py", "integrations/hf_served.py", "dist/replica.py",
                  "dist/follower.py", "dist/stream.py", "dist/standby.py", "cache/preemption.py",
@@ -237,6 +237,7 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     ("engine/termination.py", ["tests/engine/test_fork_live.py", *ENGINE], MACHINE),
     ("engine/*.py", [*ENGINE, "tests/kernels/test_store_kernels.py"], MACHINE),
     ("journal/frames.py", ["tests/journal/test_frames.py", *JOURNAL], []),
+    ("journal/ids.py", ["tests/engine/test_id_window.py", *JOURNAL], []),
     ("journal/*.py", JOURNAL, ["tests/journal/test_kill9.py", *MACHINE]),
     ("kernels/*.py", KERNELS, MACHINE),
 ]

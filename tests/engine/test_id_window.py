@@ -240,3 +240,23 @@ def test_an_id_file_that_is_no_regular_file_is_a_journal_error(tmp_path: Path) -
     (tmp_path / "journal" / "CUT").mkdir()
     with pytest.raises(JournalError, match="CUT"):
         KVStore.open(cfg)
+
+
+def test_an_id_file_that_cannot_be_written_refuses_the_open(tmp_path: Path) -> None:
+    """``NEXT_ID`` is written before the reopen record; when it cannot be (here its temp
+    file's name is taken by a directory) the open is refused with a JournalError, not a bare
+    OSError; once it can be, the store opens with the history it had."""
+    from ninfer_kv.errors import JournalError
+    cfg = small_config(tmp_path, allocate_planes=False)
+    s = KVStore.open(cfg)
+    a = s.activate(10, 10)
+    step(s)
+    s.finish(a, retain=True)
+    s.close()
+    (tmp_path / "journal" / "NEXT_ID.tmp").mkdir()
+    with pytest.raises(JournalError, match="cannot write"):
+        KVStore.open(cfg)
+    (tmp_path / "journal" / "NEXT_ID.tmp").rmdir()
+    s = KVStore.open(cfg)
+    assert a in s.state.bundles and not s.state.bundles[a].active
+    s.close()
