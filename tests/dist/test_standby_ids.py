@@ -33,15 +33,21 @@ class FullDisk:
         return getattr(self.inner, name)
 
 
-def test_a_promoted_standby_hands_out_no_id_its_leader_did(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+def leader_and_standby(tmp_path: Path) -> tuple[KVStore, Leader, Link]:
+    """A leader (sync=commit) streaming to one standby over an in-process link."""
     link = Link()
     store = KVStore.open(cfg(tmp_path, "leader", sync=SyncPolicy.COMMIT))  # type: ignore[arg-type]
     leader = Leader(store, link.send, send_digest=False, acks=[link.ack])
     link.follower = Follower.from_hello(cfg(tmp_path, "standby", sync=SyncPolicy.COMMIT),  # type: ignore[arg-type]
                                         link.hello, ack=link.acks.append)
+    return store, leader, link
+
+
+def test_a_promoted_standby_hands_out_no_id_its_leader_did(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    store, leader, link = leader_and_standby(tmp_path)
     standby = link.follower
     handed: list[int] = []
     with pytest.raises(StreamBroken):
@@ -70,11 +76,7 @@ def test_after_an_ack_a_step_gets_the_whole_window(tmp_path: Path,
     the message went and never raised it after the ack, so each step after an ack got less
     than half the window a plain store gets."""
     monkeypatch.setattr(state_mod, "ID_GAP", 8)
-    link = Link()
-    store = KVStore.open(cfg(tmp_path, "leader", sync=SyncPolicy.COMMIT))  # type: ignore[arg-type]
-    leader = Leader(store, link.send, send_digest=False, acks=[link.ack])
-    link.follower = Follower.from_hello(cfg(tmp_path, "standby", sync=SyncPolicy.COMMIT),  # type: ignore[arg-type]
-                                        link.hello, ack=link.acks.append)
+    store, leader, link = leader_and_standby(tmp_path)
     for _ in range(4):  # 6 ids a step: over half the window, so every message is acked
         for _ in range(6):
             store.finish(store.activate(10, 10))

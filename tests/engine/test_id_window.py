@@ -9,6 +9,7 @@ ids handed out since its last durable record within that window (engine/state.py
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,6 +147,23 @@ def _many(s: KVStore, n: int) -> list[int]:
     return out
 
 
+def first_record(tmp_path: Path, sync: SyncPolicy, more: int = 0
+                 ) -> tuple[Any, list[int], int, int]:
+    """(config, the ids handed out, the byte span of the first one's record in segment 1):
+    a journal a test then damages inside that record; ``more`` ids follow in the same
+    segment."""
+    cfg = small_config(tmp_path, concurrency=16, allocate_planes=False, sync=sync)
+    s = KVStore.open(cfg)
+    assert s.journal is not None
+    start = s.journal._file.tell()
+    handed = [s.activate(10, 10)]
+    step(s)
+    end = s.journal._file.tell()
+    handed += _many(s, more) if more else []
+    s.close()
+    return cfg, handed, start, end
+
+
 @pytest.mark.parametrize("sync", [SyncPolicy.OFF, SyncPolicy.COMMIT])
 def test_ids_in_records_a_recovery_cut_do_not_come_back(tmp_path: Path, small_gap: int,
                                                        sync: SyncPolicy) -> None:
@@ -159,15 +177,7 @@ def test_ids_in_records_a_recovery_cut_do_not_come_back(tmp_path: Path, small_ga
     from ninfer_kv.errors import JournalCorrupt
     from ninfer_kv.journal.ids import CUT_NOTE
     from ninfer_kv.journal.log import Journal, JournalOptions
-    cfg = small_config(tmp_path, concurrency=16, allocate_planes=False, sync=sync)
-    s = KVStore.open(cfg)
-    assert s.journal is not None
-    start = s.journal._file.tell()
-    handed = [s.activate(10, 10)]
-    step(s)
-    end = s.journal._file.tell()
-    handed += _many(s, 60)
-    s.close()
+    cfg, handed, start, end = first_record(tmp_path, sync, more=60)
     _flip(tmp_path / "journal" / "seg-00000001.log", (start + end) // 2)
     note = tmp_path / "journal" / CUT_NOTE
     if sync is SyncPolicy.COMMIT:
@@ -197,14 +207,7 @@ def test_a_cut_that_takes_reopen_records_still_skips_their_ids(
     from ninfer_kv.engine.opening import CODEC
     monkeypatch.setattr(state_mod, "ID_GAP", 4096)
     from ninfer_kv.journal.log import Journal, JournalOptions
-    cfg = small_config(tmp_path, concurrency=16, allocate_planes=False, sync=SyncPolicy.OFF)
-    s = KVStore.open(cfg)
-    assert s.journal is not None
-    start = s.journal._file.tell()
-    handed = [s.activate(10, 10)]
-    step(s)
-    end = s.journal._file.tell()
-    s.close()
+    cfg, handed, start, end = first_record(tmp_path, SyncPolicy.OFF)
     for _ in range(3):  # three reopens, one id each
         s = KVStore.open(cfg)
         handed.append(s.activate(10, 10))
