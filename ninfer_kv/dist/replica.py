@@ -141,10 +141,11 @@ class Leader:
             ids_window(store, st.next_bundle)
 
     def _detach(self) -> None:
-        """The stream is over (ended, failed or closed): the store's records go nowhere, and
-        its id window no longer waits on standbys."""
+        """The stream is over (ended, failed or closed): the store's records go nowhere. Its
+        id window still counts from what the standbys acknowledged — one of them may be
+        promoted — so the store hands out at most one more window of ids (then
+        ``IdsExhausted``: reopen it, or attach a new Leader)."""
         self.store.record_hook = None
-        ids_window(self.store, None)
 
     def _on_record(self, seq: int, events: list[Any]) -> None:
         frame, self._crc = pack_record(seq, self._crc, self.salt, 0, CODEC.encode(events))

@@ -31,6 +31,7 @@ from ninfer_kv.engine.state import StoreState, encode_state
 from ninfer_kv.errors import FrozenUnit, KVStoreError, StoreClosed, StoreFailed
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import pack
+from ninfer_kv.journal.ids import raise_floor
 from ninfer_kv.journal.lock import DirLock, Process
 from ninfer_kv.journal.log import Journal
 
@@ -68,8 +69,7 @@ class StoreCore:
         self._pending: list[Any] = []
         self._ids_durable = self._ids_base = state.next_bundle  # durability.settle_ids
         self._ids_acked: int | None = None  # a Leader's: the next id its standbys hold
-        # applied, no record holds them for sure (failed command/boundary): never "surviving"
-        self._unjournaled: list[Any] = []
+        self._unjournaled: list[Any] = []  # applied, in no record for sure: never "surviving"
         self._in_boundary: list[Any] = []  # the events the running boundary journaled
         self._applied = 0  # events handed to apply, ever: ``command`` compares it
         # device copies for the next boundary, in emission order (a page group freed and
@@ -85,8 +85,7 @@ class StoreCore:
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
         self._unpin_drops: set[tuple[str, int]] = set()  # (pool, slot): drop at the Unpin
         self.arena: HostArenaBuffer | None = None
-        self._frozen = False
-        self._closed = False
+        self._frozen = self._closed = False
         self._failed: str | None = None
         self._locks = list(locks)
         self._snapshot_seq = state.seq
@@ -175,6 +174,7 @@ class StoreCore:
         if self.journal is None:
             return 0
         try:  # a snapshot open would skip licenses removing nothing
+            raise_floor(self.journal.directory, self.state.next_bundle)  # their ids stay below
             return self.journal.compact(loads)
         except (OSError, KVStoreError) as exc:
             self._fail("compact", exc)

@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ninfer_kv.engine import state as state_mod
 from ninfer_kv.engine.apply import apply
 from ninfer_kv.engine.capacity import CapacityPlan, geometry_mismatch
 from ninfer_kv.engine.config import RecoveryReport, StoreConfig
 from ninfer_kv.engine.device import DeviceState
 from ninfer_kv.engine.host_arena import HostArenaBuffer
 from ninfer_kv.engine.invariants import load_snapshot, violations
-from ninfer_kv.engine.state import ID_GAP, MAX_BUNDLE, StoreState
+from ninfer_kv.engine.state import MAX_BUNDLE, StoreState
 from ninfer_kv.errors import ConfigError, InvalidArgument, JournalCorrupt, JournalError
 from ninfer_kv.journal import events as ev
 from ninfer_kv.journal.events import CODEC
@@ -314,7 +315,7 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                 store._emit(ev.HostConfigure(config.host_bytes, int(arena_path is not None)))
             if report.cut_bytes or report.id_floor:  # a journal cut back to nothing: its
                 store._emit(ev.Recovered(0, b"", b"", min(  # ids must not return either
-                    report.id_floor + ID_GAP + report.cut_bytes, MAX_BUNDLE + 1)))
+                    report.id_floor + state_mod.ID_GAP + report.cut_bytes, MAX_BUNDLE + 1)))
         else:
             store._recover_cleanup()
         if jdir is not None:  # before the record: whatever a later recovery cuts from the

@@ -1,9 +1,10 @@
 """Two small files in a journal directory that keep seq ids from coming back after a reopen
 (docs/journal-format.md; engine/restart.py uses them):
 
-* ``NEXT_ID`` — the first id the last reopen handed out from. Every id handed out before it
-  is below it, whatever a later recovery cuts from the log (a cut can take the reopen record
-  that moved the next id on).
+* ``NEXT_ID`` — a floor: every id handed out before the last reopen, and every id of the
+  segments a compaction removed, is below it, whatever a later recovery cuts from the log (a
+  cut can take the reopen record that moved the next id on, or the only segment left after a
+  compaction).
 * ``CUT`` — the bytes recoveries cut that no reopened store has accounted for yet: written
   durably before a cut, removed by the store once its reopen record is durable. Each id a
   cut record handed out took at least one of its bytes.
@@ -70,3 +71,9 @@ def clear_cut_note(directory: str, fs: FileSystem = OS_FS) -> None:
             fs.fsync_dir(directory)
     except OSError as exc:
         log.warning("journal.cut_note_left", directory=directory, error=str(exc))
+
+
+def raise_floor(directory: str, n: int, fs: FileSystem = OS_FS) -> None:
+    """``NEXT_ID`` at least ``n``, durably (before a compaction removes segments)."""
+    if read_count(directory, NEXT_ID, fs) < n:
+        write_count(directory, NEXT_ID, n, fs)

@@ -15,6 +15,7 @@ import pytest
 from ninfer_kv import KVStore
 from ninfer_kv.dist import Follower, Leader
 from ninfer_kv.dist.errors import StreamBroken
+from ninfer_kv.dist.stream import FAILED
 from ninfer_kv.engine import state as state_mod
 from ninfer_kv.journal.log import SyncPolicy
 from tests.dist.test_standby import Link, cfg
@@ -83,4 +84,41 @@ def test_after_an_ack_a_step_gets_the_whole_window(tmp_path: Path,
         with leader.boundary():
             pass
     assert leader.failed is None and leader.stats["acked"] >= 3 and not link.errors
+    store.close()
+
+
+@pytest.mark.parametrize("how", ["broken", "ended"])
+def test_a_stream_that_stopped_keeps_the_window_on_the_standby(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Review finding: when the stream broke or ended, the leader's store stopped counting
+    its id window from what the standby held, kept serving, and a standby promoted later
+    handed its new ids out again. The window stays on the acknowledged ids: the store hands
+    out at most one more window (then IdsExhausted), all above what a promotion skips."""
+    from ninfer_kv.errors import IdsExhausted
+    monkeypatch.setattr(state_mod, "ID_GAP", 8)
+    store, leader, link = leader_and_standby(tmp_path)
+    standby = link.follower
+    assert standby is not None
+    handed: list[int] = []
+    for _ in range(2):
+        b = store.activate(10, 10)
+        store.finish(b)
+        handed.append(b)
+        with leader.boundary():
+            pass
+    if how == "broken":
+        leader._stop(FAILED)  # as after a StreamBroken
+    else:
+        leader.close()
+    with pytest.raises(IdsExhausted):
+        for _ in range(20):
+            b = store.activate(10, 10)
+            store.finish(b)
+            handed.append(b)
+            with store.boundary():
+                pass
+    promoted = standby.promote()
+    new = [promoted.activate(10, 10) for _ in range(3)]
+    assert not set(new) & set(handed), (new, handed)
+    promoted.close()
     store.close()

@@ -263,3 +263,30 @@ def test_an_id_file_that_cannot_be_written_refuses_the_open(tmp_path: Path) -> N
     s = KVStore.open(cfg)
     assert a in s.state.bundles and not s.state.bundles[a].active
     s.close()
+
+
+def test_ids_of_compacted_segments_stay_below_a_salvaged_reopen(tmp_path: Path,
+                                                                small_gap: int) -> None:
+    """Review finding: after ``compact()`` the only segment left held no record; a damaged
+    header then made the salvage cut it, and the store reopened unconfigured with the ids of
+    the removed segments counted nowhere. A compaction now raises ``NEXT_ID`` to the next id
+    before it removes segments."""
+    import glob
+
+    from ninfer_kv.engine.opening import CODEC
+    from ninfer_kv.errors import JournalCorrupt
+    from ninfer_kv.journal.log import Journal, JournalOptions
+    cfg = small_config(tmp_path, concurrency=16, allocate_planes=False)
+    s = KVStore.open(cfg)
+    handed = _many(s, 200)  # more than the gap and the 40 bytes of header a salvage cuts
+    s.snapshot()
+    s.compact()
+    s.close()
+    seg = sorted(glob.glob(str(tmp_path / "journal" / "seg-*.log")))[0]
+    _flip(Path(seg), 8)  # its header
+    with pytest.raises(JournalCorrupt):
+        KVStore.open(cfg)
+    Journal.open(str(tmp_path / "journal"), CODEC, JournalOptions(salvage=True)).close()
+    s = KVStore.open(cfg)
+    assert s.state.next_bundle > max(handed)
+    s.close()
