@@ -9,6 +9,7 @@ durable stops the stream within that window."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,23 +101,22 @@ def test_a_stream_that_stopped_keeps_the_window_on_the_standby(
     standby = link.follower
     assert standby is not None
     handed: list[int] = []
-    for _ in range(2):
+
+    def admit(boundary: Any) -> None:
         b = store.activate(10, 10)
         store.finish(b)
         handed.append(b)
-        with leader.boundary():
+        with boundary():
             pass
+    for _ in range(2):
+        admit(leader.boundary)
     if how == "broken":
         leader._stop(FAILED)  # as after a StreamBroken
     else:
         leader.close()
     with pytest.raises(IdsExhausted):
         for _ in range(20):
-            b = store.activate(10, 10)
-            store.finish(b)
-            handed.append(b)
-            with store.boundary():
-                pass
+            admit(store.boundary)
     promoted = standby.promote()
     new = [promoted.activate(10, 10) for _ in range(3)]
     assert not set(new) & set(handed), (new, handed)
