@@ -73,12 +73,12 @@ def settle_ids(store: Txn, seq: int) -> None:
     ids_window(store)
 
 
-def ids_window(store: Txn, acked: int | None | bool = False) -> None:
+def ids_window(store: Txn, acked: int | None = None) -> None:
     """``store._ids_base``, where ``state.new_ids`` counts the window from: the next id as of
-    the last durable record, or — with standbys (``acked``: what a ``Leader``'s standbys last
-    acknowledged; None when it has none; left as it was by default) — the lower of that and
-    the next id they hold."""
-    if acked is not False:
-        store._ids_acked = acked  # type: ignore[assignment]
+    the last durable record, or — once a ``Leader`` has standbys (``acked``: the next id they
+    last acknowledged; kept after the stream stops, since one may be promoted) — the lower of
+    that and the next id they hold."""
+    if acked is not None:
+        store._ids_acked = acked
     a = store._ids_acked
     store._ids_base = store._ids_durable if a is None else min(store._ids_durable, a)

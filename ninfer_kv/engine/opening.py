@@ -318,8 +318,9 @@ def open_store(cls: Callable[..., S], config: StoreConfig | None) -> S:
                     report.id_floor + state_mod.ID_GAP + report.cut_bytes, MAX_BUNDLE + 1)))
         else:
             store._recover_cleanup()
-        if jdir is not None:  # before the record: whatever a later recovery cuts from the
-            write_count(jdir, NEXT_ID, store.state.next_bundle)  # log, ids stay above it
+        if jdir is not None and store.state.next_bundle > report.id_floor:  # before the
+            write_count(jdir, NEXT_ID, store.state.next_bundle)  # record: whatever a later
+            # recovery cuts from the log, ids stay above it (a new journal needs none)
         store._publish_record()
         if store.journal is not None:
             store.journal.sync()
