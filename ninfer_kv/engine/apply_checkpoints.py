@@ -117,8 +117,8 @@ def fork(st: StoreState, e: ev.Fork) -> None:
     src, dst = pool.spaces[e.src], pool.spaces[e.dst]
     _bundle(st, e.dst, "Fork")
     code = ak.fork_pages(src.i, dst.i, e.full_pages, pool.sp_active, pool.sp_committed,
-                         pool.sp_members, pool.sp_nmem, pool.pg_live, pool.pg_refs,
-                         pool.pg_active)
+                         pool.sp_provisional, pool.sp_protected, pool.sp_members, pool.sp_nmem,
+                         pool.pg_live, pool.pg_refs, pool.pg_active)
     assert code != ak.FORK_ACTIVE_SOURCE, f"Fork of {e.src}: not an inactive checkpoint " \
         "(fork_live shares a live sequence's prefix first, §9.2)"
     assert code != ak.FORK_BAD_TARGET, \
@@ -127,8 +127,6 @@ def fork(st: StoreState, e: ev.Fork) -> None:
         f"Fork of {e.src}: {e.full_pages} pages outside [0, its membership {src.nmem}]"
     assert code != ak.FORK_DEAD_PAGE, f"Fork of {e.src}: a dead page in its membership, a " \
         "slot outside the pool, a repeat, or a length past its row (§14)"
-    dst.provisional = e.full_pages * P  # committed too (fork_pages)
-    dst.protected = e.full_pages * P  # the shared immutable prefix stays protected
     pool.reserved -= e.full_pages - dst.incoming
     dst.incoming = 0
     st.bundles[e.dst].parent = e.src

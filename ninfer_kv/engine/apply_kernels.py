@@ -326,14 +326,16 @@ FORK_ACTIVE_SOURCE, FORK_BAD_TARGET, FORK_BAD_COUNT, FORK_DEAD_PAGE = 1, 2, 3, 4
 
 @njit(nogil=True)
 def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
-               sp_committed: np.ndarray, sp_members: np.ndarray, sp_nmem: np.ndarray,
-               pg_live: np.ndarray, pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
+               sp_committed: np.ndarray, sp_provisional: np.ndarray, sp_protected: np.ndarray,
+               sp_members: np.ndarray, sp_nmem: np.ndarray, pg_live: np.ndarray,
+               pg_refs: np.ndarray, pg_active: np.ndarray) -> int:
     """``apply(Fork)``'s checks and page half (§9.2): space ``src_i`` an inactive checkpoint,
     ``dst_i`` a different space without pages, ``full_pages`` within the source's membership
     and committed frontier, its whole membership sound (``membership_fault``, within its
     row) — else the first refusal code, and nothing changed. Then the first ``full_pages``
     blocks of ``src_i`` become ``dst_i``'s (active) membership, each page gaining a
-    reference, and ``dst_i`` is committed to them. Returns ``OK``."""
+    reference, and ``dst_i`` is committed to them: its committed, provisional and protected
+    frontiers all at their end (the shared prefix is immutable, §9.4). Returns ``OK``."""
     if sp_active[src_i]:
         return FORK_ACTIVE_SOURCE
     if src_i == dst_i or sp_nmem[dst_i] != 0 or full_pages * P > sp_committed[src_i]:
@@ -349,7 +351,7 @@ def fork_pages(src_i: int, dst_i: int, full_pages: int, sp_active: np.ndarray,
         pg_active[s] += 1
         sp_members[dst_i, k] = s
     sp_nmem[dst_i] = full_pages
-    sp_committed[dst_i] = full_pages * P
+    sp_committed[dst_i] = sp_provisional[dst_i] = sp_protected[dst_i] = full_pages * P
     return OK
 
 

@@ -31,7 +31,7 @@ from ninfer_kv.engine.command import command
 from ninfer_kv.engine.config import InvariantViolation, RecoveryReport, StoreConfig
 from ninfer_kv.engine.core import StoreCore
 from ninfer_kv.engine.invariants import violations
-from ninfer_kv.engine.layout import P, PoolKind, Profile, ceil_div
+from ninfer_kv.engine.layout import P, PoolKind, Profile
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage, PageHandle
 from ninfer_kv.engine.pool import PoolState
 from ninfer_kv.engine.state import digest, new_ids
@@ -114,7 +114,7 @@ class KVStore(StoreCore):
             tokens = min(budget, frontier + cfg.lease_window + cfg.lease_cushion)
         if pool == _MTP:
             tokens += cfg.serving.draft_window - 1
-        return min(self.plan.L, ceil_div(tokens, P))
+        return min(self.state.pools[pool].logical_pages, -(-tokens // P))  # L, ceil(tokens/P)
 
     @command
     def activate(self, prompt_tokens: int, max_output_tokens: int) -> int:

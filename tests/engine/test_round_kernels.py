@@ -354,8 +354,9 @@ def test_fork_pages_refuses_a_membership_past_its_row() -> None:
     sp_committed = np.array([3 * P, 2 * P, 0], I64)
     refs, active = np.ones(4, I64), np.zeros(4, I64)
     before = (flat.copy(), refs.copy(), active.copy(), sp_nmem.copy())
-    code = ak.fork_pages(0, 2, 3, np.array([False, False, True]), sp_committed, members,
-                         sp_nmem, np.ones(4, np.bool_), refs, active)
+    code = ak.fork_pages(0, 2, 3, np.array([False, False, True]), sp_committed,
+                         np.zeros(3, I64), np.zeros(3, I64), members, sp_nmem,
+                         np.ones(4, np.bool_), refs, active)
     assert code == ak.FORK_DEAD_PAGE
     assert all((a == b).all() for a, b in zip(before, (flat, refs, active, sp_nmem), strict=True))
 
@@ -402,10 +403,12 @@ def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, d
     sp_nmem = np.array([nmem, 1 if dst_has_pages else 0], I64)
     sp_active = np.array([src_active, True])
     sp_committed = np.array([min(committed, nmem * P), 0], I64)
+    sp_provisional, sp_protected = np.array([7, 5], I64), np.array([3, 2], I64)
     pg_live, refs, active = np.array(live), np.ones(6, I64), np.zeros(6, I64)
-    before = [a.copy() for a in (members, sp_nmem, sp_committed, refs, active)]
-    code = ak.fork_pages(0, 0 if onto_itself else 1, full, sp_active, sp_committed, members,
-                         sp_nmem, pg_live, refs, active)
+    arrays = (members, sp_nmem, sp_committed, sp_provisional, sp_protected, refs, active)
+    before = [a.copy() for a in arrays]
+    code = ak.fork_pages(0, 0 if onto_itself else 1, full, sp_active, sp_committed,
+                         sp_provisional, sp_protected, members, sp_nmem, pg_live, refs, active)
     if src_active:
         want = ak.FORK_ACTIVE_SOURCE
     elif onto_itself or dst_has_pages or full * P > sp_committed[0]:
@@ -418,12 +421,12 @@ def test_fork_pages_matches_its_rules(nmem, full, src_active, committed, live, d
         want = rk.OK
     assert code == want
     if code != rk.OK:
-        after = (members, sp_nmem, sp_committed, refs, active)
-        assert all((a == b).all() for a, b in zip(before, after, strict=True))
+        assert all((a == b).all() for a, b in zip(before, arrays, strict=True))
         return
     shared = list(range(1, full + 1))
     assert members[1, :full].tolist() == shared and sp_nmem[1] == full
-    assert sp_committed[1] == full * P
+    assert sp_committed[1] == sp_provisional[1] == sp_protected[1] == full * P  # §9.4
+    assert (sp_provisional[0], sp_protected[0]) == (7, 3)  # the source's are its own
     assert refs.tolist() == [1 + (s in shared) for s in range(6)]
     assert active.tolist() == [int(s in shared) for s in range(6)]
 
