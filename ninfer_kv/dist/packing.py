@@ -55,6 +55,12 @@ def staging(device: torch.device, slot: int, plane: int, size: int) -> torch.Ten
     return t[:size]
 
 
+def retire_staging() -> None:
+    """Forget the staging buffers: receives that may still write into them (an aborted
+    transfer's) keep them alive, and the next chunk gets fresh ones."""
+    _STAGING.clear()
+
+
 def _stage(views: list[torch.Tensor], k: int, slot: int, device: torch.device
            ) -> list[torch.Tensor]:
     out = []

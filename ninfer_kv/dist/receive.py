@@ -4,7 +4,9 @@ protocol, the §5.3 publication order across machines and how a failing side abo
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -19,7 +21,14 @@ from ninfer_kv.dist.errors import (
     TransferError,
     TransferRefused,
 )
-from ninfer_kv.dist.packing import crcs, in_place_views, scatter, stage, targets
+from ninfer_kv.dist.packing import (
+    crcs,
+    in_place_views,
+    retire_staging,
+    scatter,
+    stage,
+    targets,
+)
 from ninfer_kv.dist.transfer import (
     MAGIC,
     VERSION,
@@ -41,6 +50,13 @@ log = structlog.get_logger(__name__)
 Pools = list[tuple[str, int, int, int, int]]
 """(pool, frontier, pages, page bytes, pages per chunk) as the header announces them."""
 MAX_CHUNK = 1 << 30
+SETTLE_S = 2.0
+"""After a failed receive, how long the receives still posted get to end (``_unended``)
+before the sequence whose pages they write into is held instead of freed
+(``free_aborted``)."""
+
+_HELD: weakref.WeakKeyDictionary[KVStore, dict[int, list[Any]]] = weakref.WeakKeyDictionary()
+"""store -> {seq of an aborted import: the receives still posted when it aborted}."""
 
 
 def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
@@ -104,6 +120,53 @@ def _reserve(store: KVStore, pools: Pools) -> int:
     return seq
 
 
+def free_aborted(store: KVStore) -> list[int]:
+    """Free the sequences of aborted imports whose receives have all ended since (each was
+    held because a receive posted into its pages, or into staging, was still pending when
+    the wire failed: a byte arriving late would land in pages another request got). Returns
+    the sequences still held. ``import_`` calls it first; a reopen drops them too."""
+    held = _HELD.get(store, {})
+    for seq, works in list(held.items()):
+        if not _unended(works):
+            del held[seq]
+            _abort(store, seq)
+    return sorted(held)
+
+
+def _unended(works: list[Any]) -> list[Any]:
+    """Of ``works`` (receives posted before the wire failed), those still pending after each
+    was waited on for what is left of ``SETTLE_S`` seconds. Waiting is what ends them: gloo
+    reports a receive on a failed connection as ended only once waited on (its wait raises
+    at once), and a wait that times out closes the connection, so nothing lands after it
+    (measured with torch 2.13's gloo); a receive still pending (NCCL's, in flight) holds."""
+    deadline = time.monotonic() + SETTLE_S
+    for w in works:
+        if not w.is_completed():
+            left = max(0.01, deadline - time.monotonic())  # 0 would mean "no timeout"
+            with contextlib.suppress(RuntimeError):
+                w.wait(datetime.timedelta(seconds=left))
+    return [w for w in works if not w.is_completed()]
+
+
+def _abort_or_hold(store: KVStore, seq: int, outstanding: list[Any]) -> str:
+    """``_abort`` — unless receives the failed import posted (``outstanding``: those it had
+    not waited for) are still pending: then the sequence keeps its pages and row
+    (``free_aborted`` frees them once those end) and no staging buffer is reused. Says
+    which, for the error message."""
+    left = _unended(outstanding)
+    if not left:
+        _abort(store, seq)
+        return ("every reserved page freed" if store.failed is None else
+                "the store stopped (its reopen drops the reservation)")
+    _HELD.setdefault(store, {})[seq] = left
+    retire_staging()  # a late byte may land in the old buffers: fresh ones next
+    log.error("transfer.pages_held", seq=seq, pending_receives=len(left))
+    return (f"seq {seq} keeps its pages: {len(left)} receives posted into them (or into "
+            "staging) are still pending, and a byte arriving late would land in pages "
+            "another request got; free_aborted(store), or the next import_, frees them once "
+            "those receives end")
+
+
 def _abort(store: KVStore, seq: int) -> None:
     """Finish without retain and publish: every page and row the sequence held is free."""
     try:
@@ -115,13 +178,14 @@ def _abort(store: KVStore, seq: int) -> None:
 
 
 def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
-             on_chunk: ChunkHook | None, failed: BaseException | None = None
-             ) -> tuple[int, int, str | None]:
+             on_chunk: ChunkHook | None, outstanding: list[Any],
+             failed: BaseException | None = None) -> tuple[int, int, str | None]:
     """Receive every chunk (double buffered) into the sequence's pages (in place when they are
     consecutive, else through staging), verify each page's CRC. Returns (bytes, chunks, the
     first CRC mismatch or None); after a mismatch the rest is drained and nothing published
     (the pages belong to the unpublished sequence, which the caller then frees). ``failed``:
-    this side failed before the first chunk — drain them all, then raise it."""
+    this side failed before the first chunk — drain them all, then raise it. Whatever it
+    raises, the receives it posted and did not wait for are added to ``outstanding``."""
     dev = wire_device(group)
     plan = []
     for n, _, k, pb, per in pools:
@@ -148,12 +212,13 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
                 chunk, in_place = stage(store, name, len(ids), ci % 2, dev), False
             except Exception as exc:  # cannot even drain: the wire cannot stay in step
                 raise _WireError(f"cannot drain chunk {ci}: {exc!r}") from exc
+        works: list[Any] = []
+        posted[ci] = (sums, chunk, in_place, works)  # each receive listed once it is posted
         try:
-            works = [dist.irecv(c, src, group=group) for c in chunk]
-            works.append(dist.irecv(sums, src, group=group))
+            for c in (*chunk, sums):
+                works.append(dist.irecv(c, src, group=group))
         except RuntimeError as exc:
             raise _WireError(str(exc)) from exc
-        posted[ci] = (sums, chunk, in_place, works)
 
     def verify(name: str, ci: int, a: int, ids: list[int], sums: torch.Tensor,
                chunk: list[torch.Tensor], in_place: bool) -> str | None:
@@ -177,23 +242,28 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
     # every chunk lands in its pages: post every receive now; else two at a time (staging)
     ahead = len(plan) if failed is None and all(in_place_views(store, n, ids, dev) is not None
                                                 for n, _, ids, _ in plan) else 2
-    for ci in range(min(ahead, len(plan))):
-        post(ci)
-    for ci, (name, a, ids, pb) in enumerate(plan):
-        sums, chunk, in_place, works = posted.pop(ci)
-        try:
-            for w in works:
-                w.wait()
-        except RuntimeError as exc:  # the wire: nothing more will arrive
-            raise _WireError(str(exc)) from exc
-        moved += len(ids) * pb
-        if bad is None and failed is None:
+    try:
+        for ci in range(min(ahead, len(plan))):
+            post(ci)
+        for ci, (name, a, ids, pb) in enumerate(plan):
+            sums, chunk, in_place, works = posted[ci]
             try:
-                bad = verify(name, ci, a, ids, sums, chunk, in_place)
-            except Exception as exc:
-                failed = exc
-        if ahead == 2 and ci + 2 < len(plan):  # staging slot ci % 2 is free again
-            post(ci + 2)
+                for w in works:
+                    w.wait()
+            except RuntimeError as exc:  # the wire: nothing more will arrive
+                raise _WireError(str(exc)) from exc
+            del posted[ci]
+            moved += len(ids) * pb
+            if bad is None and failed is None:
+                try:
+                    bad = verify(name, ci, a, ids, sums, chunk, in_place)
+                except Exception as exc:
+                    failed = exc
+            if ahead == 2 and ci + 2 < len(plan):  # staging slot ci % 2 is free again
+                post(ci + 2)
+    except BaseException:  # what the caller may not free before these receives end
+        outstanding.extend(w for *_, works in posted.values() for w in works)
+        raise
     if failed is not None:
         raise failed
     return moved, len(plan), bad
@@ -210,6 +280,7 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
     src = as_int("src", src, lo=0)
     if store.closed:
         raise StoreClosed("import_ refused: the store is closed")
+    free_aborted(store)  # an earlier abort's pages, once nothing can write into them
     if store.record_hook is not None:
         raise TransferRefused("import_ refused: this store streams its records to TP followers "
                               "(a Leader), which would get the checkpoint without its bytes")
@@ -241,26 +312,25 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         if isinstance(exc, TransferError):
             raise
         raise TransferRefused(f"import from rank {src}: {type(exc).__name__}: {exc}") from exc
+    outstanding: list[Any] = []  # receives posted and not waited for, when _receive raised
     try:
         _status(src, group, ok=True)
         boundary = store.boundary()  # tables published; the pages are this sequence's alone
         try:
             boundary.__enter__()
         except BaseException as exc:  # the sender is sending already: keep the wire in step
-            _receive(store, seq, pools, src, group, None, failed=exc)  # drains, raises exc
+            _receive(store, seq, pools, src, group, None, outstanding, exc)  # drains, raises
             raise
         try:
-            moved, chunks, bad = _receive(store, seq, pools, src, group, on_chunk)
+            moved, chunks, bad = _receive(store, seq, pools, src, group, on_chunk, outstanding)
         finally:
             boundary.__exit__(None, None, None)
     except BaseException as exc:
-        _abort(store, seq)
+        freed = _abort_or_hold(store, seq, outstanding)
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if not isinstance(exc, _WireError):  # every chunk arrived: the sender waits for this
             with contextlib.suppress(RuntimeError):
                 _status(src, group, ok=False, kind="aborted", error=why)
-        freed = ("every reserved page freed" if store.failed is None else
-                 "the store stopped (its reopen drops the reservation)")
         raise TransferAborted(f"import from rank {src} aborted mid-transfer, nothing published "
                               f"and {freed}: {why}") from exc
     if bad is not None:
