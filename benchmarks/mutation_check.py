@@ -137,6 +137,7 @@ TARGETS: tuple[Target, ...] = (
     # the transfer's refusals that in-process tests reach (the rest need two ranks)
     Target("dist/transfer.py", "raise", ("recv_control",)),
     Target("dist/receive.py", "raise", ("_check_header",)),
+    Target("dist/receive.py", "filter", ("_unended", "_abort_or_hold")),  # free, or hold
     Target("dist/packing.py", "raise", ("gather",)),
     Target("engine/round_kernels.py", "filter", ops=("guard",)),
     Target("engine/apply_kernels.py", "filter", ops=("guard",)),
@@ -199,7 +200,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
     *((f"dist/{m}", ["tests/dist/test_replica_refusals.py", "tests/dist/test_replica_stream.py",
                      "tests/dist/test_replica_host.py", "tests/dist/test_standby.py"],
        []) for m in ("replica.py", "follower.py", "stream.py", "standby.py")),
-    *((f"dist/{m}", ["tests/dist/test_packing.py", "tests/dist/test_replica_refusals.py"], [])
+    *((f"dist/{m}", ["tests/dist/test_packing.py", "tests/dist/test_receive_abort.py",
+                     "tests/dist/test_replica_refusals.py"], [])
       for m in ("transfer.py", "receive.py", "packing.py")),
     ("engine/views.py", ["tests/kernels/test_typed_views.py", *KERNELS], []),
     ("engine/invariants.py", ["tests/engine/test_bundle_table.py", *INCREMENTAL, *ENGINE],
