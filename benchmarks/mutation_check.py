@@ -137,7 +137,7 @@ TARGETS: tuple[Target, ...] = (
     # the transfer's refusals that in-process tests reach (the rest need two ranks)
     Target("dist/transfer.py", "raise", ("recv_control",)),
     Target("dist/receive.py", "raise", ("_check_header",)),
-    Target("dist/receive.py", "filter", ("_unended", "_abort_or_hold")),  # free, or hold
+    Target("dist/receive.py", "filter", ("_unended", "_abort_when_safe")),  # free, or stop
     Target("dist/packing.py", "raise", ("gather",)),
     Target("engine/round_kernels.py", "filter", ops=("guard",)),
     Target("engine/apply_kernels.py", "filter", ops=("guard",)),

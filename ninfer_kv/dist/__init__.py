@@ -29,7 +29,7 @@ from ninfer_kv.dist.errors import (
     TransferRefused,
 )
 from ninfer_kv.dist.follower import Follower, FollowerStore, Step
-from ninfer_kv.dist.receive import free_aborted, import_
+from ninfer_kv.dist.receive import import_
 from ninfer_kv.dist.replica import Leader, shard_config
 from ninfer_kv.dist.transfer import TransferReport, export
 
@@ -38,5 +38,5 @@ __all__ = [
     "RecordRefused", "ReplicaDiverged", "ReplicaError", "ReplicaUnsupported", "SendFailed",
     "Step", "StreamBroken",
     "TransferAborted", "TransferCorrupt", "TransferError", "TransferRefused", "TransferReport",
-    "export", "free_aborted", "import_", "shard_config",
+    "export", "import_", "shard_config",
 ]

@@ -56,8 +56,9 @@ def staging(device: torch.device, slot: int, plane: int, size: int) -> torch.Ten
 
 
 def retire_staging() -> None:
-    """Forget the staging buffers: receives that may still write into them (an aborted
-    transfer's) keep them alive, and the next chunk gets fresh ones."""
+    """Forget the staging buffers (the process's, which ``export`` shares: transfers run one
+    at a time): receives that may still write into them (an aborted transfer's) keep them
+    alive, and the next chunk gets fresh ones."""
     _STAGING.clear()
 
 

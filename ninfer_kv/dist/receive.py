@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-import weakref
 from typing import Any
 
 import msgspec
@@ -51,12 +50,8 @@ Pools = list[tuple[str, int, int, int, int]]
 """(pool, frontier, pages, page bytes, pages per chunk) as the header announces them."""
 MAX_CHUNK = 1 << 30
 SETTLE_S = 2.0
-"""After a failed receive, how long the receives still posted get to end (``_unended``)
-before the sequence whose pages they write into is held instead of freed
-(``free_aborted``)."""
-
-_HELD: weakref.WeakKeyDictionary[KVStore, dict[int, list[Any]]] = weakref.WeakKeyDictionary()
-"""store -> {seq of an aborted import: the receives still posted when it aborted}."""
+"""After the wire failed, how long in all the receives still posted get to end
+(``_unended``) before the store stops rather than free pages they may write into."""
 
 
 def _check_header(store: KVStore, h: dict[str, Any]) -> Pools:
@@ -120,51 +115,62 @@ def _reserve(store: KVStore, pools: Pools) -> int:
     return seq
 
 
-def free_aborted(store: KVStore) -> list[int]:
-    """Free the sequences of aborted imports whose receives have all ended since (each was
-    held because a receive posted into its pages, or into staging, was still pending when
-    the wire failed: a byte arriving late would land in pages another request got). Returns
-    the sequences still held. ``import_`` calls it first; a reopen drops them too."""
-    held = _HELD.get(store, {})
-    for seq, works in list(held.items()):
-        if not _unended(works):
-            del held[seq]
-            _abort(store, seq)
-    return sorted(held)
-
-
-def _unended(works: list[Any]) -> list[Any]:
-    """Of ``works`` (receives posted before the wire failed), those still pending after each
-    was waited on for what is left of ``SETTLE_S`` seconds. Waiting is what ends them: gloo
-    reports a receive on a failed connection as ended only once waited on (its wait raises
-    at once), and a wait that times out closes the connection, so nothing lands after it
-    (measured with torch 2.13's gloo); a receive still pending (NCCL's, in flight) holds."""
-    deadline = time.monotonic() + SETTLE_S
+def _unended(works: list[Any], timeout: float | None) -> list[Any]:
+    """Of ``works`` (receives posted and not waited for), those still pending after each
+    was waited on. ``timeout`` (the wire failed): for what is left of that many seconds in
+    all — gloo reports a receive on a failed connection as ended only once waited on, and
+    that wait raises at once; a wait that times out closes the connection, so no byte lands
+    after it (both measured with torch 2.13). ``None`` (the wire is sound, this side
+    failed): each until it ends, as the sender is still sending (the group's timeout bounds
+    a wait); from a wait that fails on, as for a failed wire."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     for w in works:
-        if not w.is_completed():
-            left = max(0.01, deadline - time.monotonic())  # 0 would mean "no timeout"
-            with contextlib.suppress(RuntimeError):
-                w.wait(datetime.timedelta(seconds=left))
+        if w.is_completed():
+            continue
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+        try:
+            if deadline is None:
+                w.wait()
+            else:  # a timeout of 0 would mean none: at least 10 ms
+                w.wait(datetime.timedelta(seconds=max(0.01, left)))
+        except RuntimeError:
+            if deadline is None:
+                deadline = time.monotonic() + SETTLE_S
     return [w for w in works if not w.is_completed()]
 
 
-def _abort_or_hold(store: KVStore, seq: int, outstanding: list[Any]) -> str:
-    """``_abort`` — unless receives the failed import posted (``outstanding``: those it had
-    not waited for) are still pending: then the sequence keeps its pages and row
-    (``free_aborted`` frees them once those end) and no staging buffer is reused. Says
-    which, for the error message."""
-    left = _unended(outstanding)
-    if not left:
-        _abort(store, seq)
-        return ("every reserved page freed" if store.failed is None else
-                "the store stopped (its reopen drops the reservation)")
-    _HELD.setdefault(store, {})[seq] = left
-    retire_staging()  # a late byte may land in the old buffers: fresh ones next
-    log.error("transfer.pages_held", seq=seq, pending_receives=len(left))
-    return (f"seq {seq} keeps its pages: {len(left)} receives posted into them (or into "
-            "staging) are still pending, and a byte arriving late would land in pages "
-            "another request got; free_aborted(store), or the next import_, frees them once "
-            "those receives end")
+def _abort_when_safe(store: KVStore, seq: int, outstanding: list[tuple[Any, bool]],
+                     wire_failed: bool) -> str:
+    """``_abort`` once no receive the failed import posted can still write: ``outstanding``
+    holds those it had not waited for, each with whether it writes into the sequence's
+    pages (else into staging). One still pending into a page after ``_unended`` stops the
+    store instead (fail-stop: freed, the page group would go to another request while a
+    late byte may still land in it; a reopen gets new planes, and the pending receive keeps
+    the old ones alive). One still pending into staging only retires the staging buffers.
+    So does an interrupt while waiting: whether they end is unknown. Returns what happened,
+    for the error message."""
+    try:
+        left = set(map(id, _unended([w for w, _ in outstanding],
+                                    SETTLE_S if wire_failed else None)))
+    except BaseException as exc:
+        store._fail("import_", exc)  # noqa: SLF001 - fail-stop, as ``command`` does
+        raise
+    into_pages = sum(1 for w, in_place in outstanding if in_place and id(w) in left)
+    if left:
+        retire_staging()  # a late byte may land in the old buffers: fresh ones next
+    if into_pages:
+        why = (f"{into_pages} receives posted into seq {seq}'s pages were still pending "
+               f"{SETTLE_S} s after the wire failed: freed, its page groups would go to "
+               "another request while a late byte may still land in them")
+        store._fail("import_", TransferAborted(why))  # noqa: SLF001 - see the docstring
+        log.error("transfer.store_stopped", seq=seq, pending_receives=into_pages)
+        return f"the store stopped (a reopen recovers it): {why}"
+    _abort(store, seq)
+    return ("every reserved page freed" if store.failed is None else
+            "the store stopped (its reopen drops the reservation)")
 
 
 def _abort(store: KVStore, seq: int) -> None:
@@ -178,14 +184,15 @@ def _abort(store: KVStore, seq: int) -> None:
 
 
 def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
-             on_chunk: ChunkHook | None, outstanding: list[Any],
+             on_chunk: ChunkHook | None, outstanding: list[tuple[Any, bool]],
              failed: BaseException | None = None) -> tuple[int, int, str | None]:
     """Receive every chunk (double buffered) into the sequence's pages (in place when they are
     consecutive, else through staging), verify each page's CRC. Returns (bytes, chunks, the
     first CRC mismatch or None); after a mismatch the rest is drained and nothing published
     (the pages belong to the unpublished sequence, which the caller then frees). ``failed``:
     this side failed before the first chunk — drain them all, then raise it. Whatever it
-    raises, the receives it posted and did not wait for are added to ``outstanding``."""
+    raises, the receives it posted and did not wait for are added to ``outstanding``, each
+    with whether it writes into the sequence's pages (else into staging)."""
     dev = wire_device(group)
     plan = []
     for n, _, k, pb, per in pools:
@@ -262,7 +269,8 @@ def _receive(store: KVStore, seq: int, pools: Pools, src: int, group: Any,
             if ahead == 2 and ci + 2 < len(plan):  # staging slot ci % 2 is free again
                 post(ci + 2)
     except BaseException:  # what the caller may not free before these receives end
-        outstanding.extend(w for *_, works in posted.values() for w in works)
+        outstanding.extend((w, in_place) for _, _, in_place, works in posted.values()
+                           for w in works)
         raise
     if failed is not None:
         raise failed
@@ -280,7 +288,6 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
     src = as_int("src", src, lo=0)
     if store.closed:
         raise StoreClosed("import_ refused: the store is closed")
-    free_aborted(store)  # an earlier abort's pages, once nothing can write into them
     if store.record_hook is not None:
         raise TransferRefused("import_ refused: this store streams its records to TP followers "
                               "(a Leader), which would get the checkpoint without its bytes")
@@ -312,7 +319,7 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         if isinstance(exc, TransferError):
             raise
         raise TransferRefused(f"import from rank {src}: {type(exc).__name__}: {exc}") from exc
-    outstanding: list[Any] = []  # receives posted and not waited for, when _receive raised
+    outstanding: list[tuple[Any, bool]] = []  # receives posted, not waited for: (work, in place)
     try:
         _status(src, group, ok=True)
         boundary = store.boundary()  # tables published; the pages are this sequence's alone
@@ -326,7 +333,7 @@ def import_(store: KVStore, src: int, *, group: Any = None, on_chunk: ChunkHook 
         finally:
             boundary.__exit__(None, None, None)
     except BaseException as exc:
-        freed = _abort_or_hold(store, seq, outstanding)
+        freed = _abort_when_safe(store, seq, outstanding, isinstance(exc, _WireError))
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if not isinstance(exc, _WireError):  # every chunk arrived: the sender waits for this
             with contextlib.suppress(RuntimeError):

@@ -20,8 +20,8 @@ Until ``finish(retain=True)`` the pages belong to an *active* sequence, which a 
 keeps: a crash of either side mid-transfer leaves the receiver without the checkpoint. A failed
 recv (the peer dropped) or a CRC mismatch aborts: the sequence finishes without retain and every
 page and row it held goes back to the pools; nothing is published. Not while a receive posted
-into those pages (or staging) may still write: the abort waits on each first, and one still
-pending holds the sequence until ``receive.free_aborted`` finds it ended.
+into those pages may still write: the abort waits on each first (``receive._unended``), and
+one still pending stops the receiving store rather than hand its page groups on.
 
 A side that fails by itself mid-transfer (an exception that is not the wire's) keeps the wire
 in step instead of leaving its peer blocked until the group's timeout: the receiver drains the
