@@ -150,8 +150,8 @@ def _abort_when_safe(store: KVStore, seq: int, outstanding: list[tuple[Any, bool
     store instead (fail-stop: freed, the page group would go to another request while a
     late byte may still land in it; a reopen gets new planes, and the pending receive keeps
     the old ones alive). One still pending into staging only retires the staging buffers.
-    So does an interrupt while waiting: whether they end is unknown. Returns what happened,
-    for the error message."""
+    An interrupt while waiting stops the store too: whether they end is then unknown.
+    Returns what happened, for the error message."""
     try:
         left = set(map(id, _unended([w for w, _ in outstanding],
                                     SETTLE_S if wire_failed else None)))
