@@ -121,8 +121,9 @@ def record_shape(buf: np.ndarray, lo: int, hi: int, pool: np.ndarray, with_mat: 
     applies (the module docstring; ``Materialize`` only ``with_mat``), each as a row of
     ``out``: (kind, start of its first, second and third field, int32s per field). Returns
     how many, or ``NOT_TAKEN``: the caller decodes the record. (A field that does not parse
-    makes the position ``NOT_TAKEN``, which every later step passes on: the position is
-    judged once, at the end.)"""
+    makes the position ``NOT_TAKEN``, which every later step passes on; the event's row is
+    written only once its fields parsed, so no row holds a start of -1, which a slice would
+    wrap around to the buffer's end.)"""
     n, p = array_header(buf, lo, hi)
     if n > out.shape[0]:
         return NOT_TAKEN
@@ -140,7 +141,7 @@ def record_shape(buf: np.ndarray, lo: int, hi: int, pool: np.ndarray, with_mat: 
         s3, n3 = 0, n1
         if kind == MAT:
             s3, n3, p = bin_field(buf, p, hi)
-        if n1 % 4 or n2 != n1 or n3 != n1:
+        if p < 0 or n1 % 4 or n2 != n1 or n3 != n1:
             return NOT_TAKEN
         out[e, 0], out[e, 1], out[e, 2], out[e, 3], out[e, 4] = kind, s1, s2, s3, n1 // 4
     return n if p == hi else NOT_TAKEN
@@ -166,6 +167,8 @@ def apply_rounds(buf: np.ndarray, lo: np.ndarray, hi: np.ndarray, r: int, r_end:
             return r, 0, events, reused, taken, n_slots, new
         for e in range(n):
             kind, s1, s2, s3, m = rows[e, 0], rows[e, 1], rows[e, 2], rows[e, 3], rows[e, 4]
+            # unaligned int32 views of the segment's bytes: little-endian hosts that read
+            # unaligned words only (``ninfer_kv.engine`` refuses to load elsewhere)
             bundles = buf[s1:s1 + 4 * m].view(np.int32)
             second = buf[s2:s2 + 4 * m].view(np.int32)
             if kind == COMMIT:

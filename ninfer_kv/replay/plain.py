@@ -44,6 +44,7 @@ def _rounds(st: StoreState, buf: np.ndarray, lo: np.ndarray, hi: np.ndarray, r: 
         return r, 0, 0
     pool: PoolState = next(iter(st.pools.values()))
     fs, fp = pool.free_slots, pool.free_pages
+    # ``not host_of``, read once for the stretch: no event it takes adds a host replica
     r, e, n, reused, taken, n_slots, new = apply_rounds(
         buf, lo, hi, r, r_end, np.frombuffer(pool.name.encode(), np.uint8), not pool.host_of,
         pool.n_slots, pool.logical_pages, pool.bundle_index, pool.sp_committed, pool.sp_nmem,

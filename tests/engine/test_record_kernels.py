@@ -140,6 +140,20 @@ def test_what_the_parser_leaves_to_msgspec(payload: bytes) -> None:
     assert shape(payload)[0] == -1
 
 
+@pytest.mark.parametrize("payload", [
+    b"\x91\x94\xa6commit\xa4main\xc4",  # a bin header without its length
+    b"\x91\x94\xa6commit\xa4main",  # no fields at all
+    b"\x92\x94\xa6commit\xa4main\xc4\x00\xc4\x00\x94\xa6commit\xa4main\xc4",  # 2nd cut
+])
+def test_no_row_is_written_for_an_event_whose_fields_do_not_parse(payload: bytes) -> None:
+    """Review finding (fuzzing, no bug): such an event's row got a start of -1 and was left
+    for the final check to reject; a slice of it under ``njit`` would wrap to the buffer's end.
+    The parser stops at that event now, its row untouched (earlier events' rows are kept)."""
+    n, rows = shape(payload)
+    bad = payload.count(b"commit") - 1  # the event that is cut
+    assert n == -1 and not rows[bad:].any()
+
+
 def test_a_materialize_is_left_to_apply_while_the_pool_holds_host_replicas() -> None:
     """``apply(Materialize)`` refuses a new page in a slot that still records a host replica,
     a check on ``PoolState.host_of`` the kernel cannot make: with replicas, the parser does
