@@ -88,15 +88,17 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         frontiers = dict.fromkeys(names, f0)
     hook = store.fault_hook  # fault injection (tests): called before each step, per pool
     dst = new_ids(st, 1, store._ids_base)
+    want_move = mode == "move" or (mode == "auto" and not keep_source)
     plans: list[_Plan] = []
-    for pool in names:                                          # 1. create / claim
-        if hook:
+    for pool in names:  # the eight steps, pool by pool; nothing is emitted before all are done
+        if hook:                                                # 1. create / claim
             hook("create", pool)
         if pool not in src_bundle.pools:
             raise UnknownHandle(f"checkpoint {checkpoint} has no address space in pool {pool}")
         f = frontiers[pool]
         p = st.pools[pool]
         sp = p.spaces[checkpoint]
+        i = sp.i
         if not 0 <= f <= sp.committed:
             raise FrontierError(f"checkpoint {checkpoint} pool {pool}: frontier {f} beyond its "
                                 f"committed frontier {sp.committed} (§9.2)")
@@ -108,20 +110,17 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
                 f"{pool} is below the checkpoint's committed {sp.committed}; its metadata "
                 "describes the whole checkpoint, so only a continuation of all of it carries "
                 "it (set the new sequence's own metadata instead)")
-        plans.append(_Plan(pool, p, sp.i, f, store.entitlement_pages(pool, prompt_tokens, total)))
-    want_move = mode == "move" or (mode == "auto" and not keep_source)
-    for pl in plans:                                            # 2. reserve
-        if hook:
-            hook("reserve", pl.pool)
-        p, f = pl.p, pl.frontier
+        pl = _Plan(pool, p, i, f, store.entitlement_pages(pool, prompt_tokens, total))
+        if hook:                                                # 2. reserve
+            hook("reserve", pool)
         move = want_move
         if move:  # a Move takes the pages over: none may have another reference (§9.1)
-            mem = p.sp_members[pl.i, :p.sp_nmem[pl.i]]  # read only
+            mem = p.sp_members[i, :p.sp_nmem[i]]  # read only
             shared = mem[p.pg_refs[mem] > 1].tolist()
             if shared and mode == "auto":
                 move = False        # auto: Fork instead
             elif shared:
-                raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pl.pool} "
+                raise WritePermissionError(f"Move of checkpoint {checkpoint} pool {pool} "
                                            f"refused: pages {shared[:8]} still have surviving "
                                            "references (§9.1)")
         if move and keep_source:
@@ -133,51 +132,45 @@ def activate_from(store: Txn, checkpoint: int, frontier: int | Mapping[str, int]
         # mid-page frontier, the COW source tail — block f // P, right after the prefix. A
         # live page without a device replica has a host one (§5.1, checked by §14), so a pool
         # holding no host replica has none to restore
-        missing = (rk.without_device(p.sp_members[pl.i, :min(held + tail, p.sp_nmem[pl.i])],
+        missing = (rk.without_device(p.sp_members[i, :min(held + tail, p.sp_nmem[i])],
                                      p.pg_device).tolist() if p.host_of else [])
         need = pl.entitlement - held + len(missing)
         if need > p.available:
-            raise CapacityExhausted(f"pool {pl.pool}: continuation needs {need} pages "
+            raise CapacityExhausted(f"pool {pool}: continuation needs {need} pages "
                                     f"({len(missing)} to restore from host), {p.available} "
-                                    "available", pool=pl.pool, short=need - p.available)
+                                    "available", pool=pool, short=need - p.available)
         pl.move, pl.held, pl.tail, pl.missing = move, held, tail, missing
-    for pl in plans:                                            # 3. restore Host-only pages
-        if hook:
-            hook("restore", pl.pool)
-        p, f, missing = pl.p, pl.frontier, pl.missing
+        if hook:                                                # 3. restore Host-only pages
+            hook("restore", pool)
         if missing:
-            block = {s: i for i, s in enumerate(p.spaces[checkpoint].members)}
+            block = {s: k for k, s in enumerate(sp.members)}
             for s in missing:
                 cols = min(P, f - block[s] * P)  # the columns this continuation reads
                 if not host.replica_valid(p.pages[s], cols):  # type: ignore[arg-type]
-                    raise UnknownHandle(f"checkpoint {checkpoint} pool {pl.pool}: page "
-                                        f"{pl.pool}:{s} has neither a device replica nor a "
+                    raise UnknownHandle(f"checkpoint {checkpoint} pool {pool}: page "
+                                        f"{pool}:{s} has neither a device replica nor a "
                                         f"valid host replica for {cols} columns (§5.1)")
-        n = len(missing) + pl.tail
+        n = len(missing) + tail
         picks = p.pick_pages(n) if n else []
-        pl.restored = dict(zip(missing, picks, strict=False)) if missing else {}
-        if pl.tail:
-            pl.cow_page = picks[-1]
-    for pl in plans:                                            # 4/5. Move or Fork, COW tail
-        if hook:
-            hook("move_fork", pl.pool)
-            hook("cow", pl.pool)
-        if pl.tail:
-            p = pl.p
-            src_slot = int(p.sp_members[pl.i, pl.frontier // P])
+        if missing:
+            pl.restored = dict(zip(missing, picks, strict=False))
+        if hook:                                                # 4/5. Move or Fork, COW tail
+            hook("move_fork", pool)
+            hook("cow", pool)
+        if tail:
+            src_slot = int(p.sp_members[i, f // P])
             src_page = pl.restored.get(src_slot, int(p.pg_device[src_slot]))
-            pl.cow = (p.pick_slots(1)[0], pl.cow_page, src_slot, src_page)
-    for pl in plans:                                            # 6. lease rows
-        if hook:
-            hook("rows", pl.pool)
-        if not pl.p.free_rows:
-            raise CapacityExhausted(f"pool {pl.pool}: all {pl.p.rows} execution rows are "
-                                    "leased", pool=pl.pool)
-        pl.row = pl.p.free_rows.first()
-    for pl in plans:                                            # 7/8. tables, publish
-        if hook:
-            hook("tables", pl.pool)
-            hook("publish", pl.pool)
+            pl.cow = (p.pick_slots(1)[0], picks[-1], src_slot, src_page)
+        if hook:                                                # 6. lease rows
+            hook("rows", pool)
+        if not p.free_rows:
+            raise CapacityExhausted(f"pool {pool}: all {p.rows} execution rows are leased",
+                                    pool=pool)
+        pl.row = p.free_rows.first()
+        if hook:                                                # 7/8. tables, publish
+            hook("tables", pool)
+            hook("publish", pool)
+        plans.append(pl)
     # --- everything is planned: emit -------------------------------------------------------------
     events: list[Any] = []
     effects: list[Any] = []  # device copies the boundary runs, in emission order
@@ -221,14 +214,14 @@ class _Plan:
     """One pool's activation plan (§7.3), filled in step by step before anything is emitted."""
 
     __slots__ = ("pool", "p", "i", "frontier", "entitlement", "move", "held", "tail", "missing",
-                 "restored", "cow_page", "cow", "row")
+                 "restored", "cow", "row")
 
     def __init__(self, pool: str, p: PoolState, i: int, frontier: int, entitlement: int
                  ) -> None:
         self.pool, self.p, self.i = pool, p, i  # the checkpoint's space index in ``p``
         self.frontier, self.entitlement = frontier, entitlement
         self.move = self.tail = False
-        self.held = self.cow_page = self.row = -1
+        self.held = self.row = -1
         self.missing: list[int] = []
         self.restored: dict[int, int] = {}    # Host-only slot -> the device page it gets
         self.cow: tuple[int, int, int, int] = (-1, -1, -1, -1)  # slot, page, src slot, src page
