@@ -110,11 +110,13 @@ class LruRetention:
         for a checkpoint indexed already (``forget`` it first: a second entry would leave its
         old keys answering lookups) or a key that is not a sequence of hashable blocks."""
         ck = as_int("checkpoint", ck)
+        if parent is not None:
+            parent = as_int("parent", parent)
         if ck in self.entries:
             raise InvalidArgument(f"retain: checkpoint {ck} is indexed already (forget it "
                                   "before indexing it again)")
         key = _blocks("retain", key)
-        if parent not in self.entries:
+        if parent not in self.entries:  # not indexed (released, or never retained): a root
             parent = None
         self.entries[ck] = Entry(key, parent)
         self._touch(ck)
@@ -127,7 +129,8 @@ class LruRetention:
         """Drop ``ck`` from the index: its keys first and its entry last, so every key's
         holders stay indexed entries even when an interrupt stops it half way (the next
         ``forget`` of ``ck`` finishes; a parent's child count may then stay one high)."""
-        e = self.entries.get(ck)  # type: ignore[arg-type]
+        ck = as_int("checkpoint", ck)
+        e = self.entries.get(ck)
         if e is None:
             raise UnknownHandle(f"forget: checkpoint {ck!r} is not indexed")
         for h in e.key:
@@ -166,7 +169,8 @@ class LruRetention:
         yield from sorted(self.entries, key=lambda c: (
             self.priority(c), self.entries[c].children > 0, self.entries[c].used))
 
-    def make_room(self, store: KVStore, short: int | None = None) -> str | None:
+    def make_room(self, store: KVStore, short: int | None = None, keep: int | None = None
+                  ) -> str | None:
         """Free device pages for one more admission attempt. With a host tier, demote
         (``drop_device``) the first victim whose every page has a published host replica;
         else release the first victim that is the only holder of some device page (a demoted
@@ -181,12 +185,15 @@ class LruRetention:
         queued copy pins (a COW tail's source, an offload's page) frees only at the boundary
         that runs the copy, so a victim whose pages all are pinned is passed over (releasing
         it now would free nothing for the admission that asked); after that boundary it is
-        a victim like any other."""
+        a victim like any other. ``keep``: a checkpoint that is no victim (the one the
+        admission that asked for room continues), as ``make_host_room``'s."""
         a_store(store, "make_room")
         if short is not None:
             short = as_int("short", short, lo=0)
+        if keep is not None:
+            keep = as_int("keep", keep)
         self.forget_gone(store)
-        victims = list(self.victims())
+        victims = [ck for ck in self.victims() if ck != keep]
         if store.arena is not None:
             for ck in victims:
                 if not self.entries[ck].demoted and self._demote(store, ck):
@@ -234,9 +241,14 @@ class LruRetention:
         return gone
 
     def _demote(self, store: KVStore, ck: int) -> bool:
-        """Drop ``ck``'s device pages if every page has a published host replica."""
+        """Drop ``ck``'s device pages if every page has a published host replica — but not a
+        page a checkpoint that is not demoted holds too: a prefix it shares with a parent or
+        a system prompt stays on the device for them (review finding: demoting a leaf
+        demoted the higher-priority prefix it continued); that one drops it when its own
+        turn comes. True when this drops some."""
         pages, dev, host = residency(store, ck)
-        if dev and host == pages and store.drop_device(ck):
+        demoted = [c for c, e in self.entries.items() if e.demoted]
+        if dev and host == pages and store.drop_device(ck, shared_with=demoted):
             self.entries[ck].demoted = True
             log.debug("retention.demote", checkpoint=ck)
             return True
@@ -345,6 +357,7 @@ class LruRetention:
 
     def restored(self, ck: int) -> None:
         """``ck`` was continued (its pages are on the device again)."""
+        ck = as_int("checkpoint", ck)
         if ck in self.entries:
             self.entries[ck].demoted = False
 

@@ -15,7 +15,7 @@ P*X*itemsize bytes each), with no device ids and no table holes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,15 +134,42 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
     return len(sizes)
 
 
-def _drop_when_published(store: Txn, checkpoint: int) -> int:
+def co_held(store: Txn, checkpoint: int, shared_with: Iterable[int]
+            ) -> Callable[[str, int], bool]:
+    """Whether page (pool, slot) of ``checkpoint`` has no inactive holder outside
+    ``checkpoint`` and ``shared_with`` (inactive checkpoints each, else ``UnknownHandle``,
+    before anything changes): ``drop_device``'s filter for ``shared_with``."""
+    st = store.state
+    holders: dict[tuple[str, int], int] = {}
+    for c in {checkpoint, *shared_with}:  # plain ints (``KVStore.drop_device``'s as_ints)
+        b = st.bundles.get(c)
+        if b is None or b.active:
+            raise UnknownHandle(f"drop_device: shared_with names {c}, which is not an inactive "
+                                "checkpoint")
+        for pool in b.pools:
+            for s in st.pools[pool].spaces[c].members:
+                holders[pool, s] = holders.get((pool, s), 0) + 1
+
+    def only_these(pool: str, slot: int) -> bool:
+        pg = st.pools[pool].pages[slot]
+        assert pg is not None  # a checkpoint's member is a live page (§14)
+        return pg.refs - pg.active_refs <= holders.get((pool, slot), 0)
+    return only_these
+
+
+def _drop_when_published(store: Txn, checkpoint: int,
+                         may: Callable[[str, int], bool] | None = None) -> int:
     """Schedule the device replicas of ``checkpoint``'s pages that a queued copy pins: those
     whose D2H copy is queued drop when that copy publishes, and every other pinned one (a
     restore or COW source, e.g. a sequence swapped out again in the interval ``swap_in``
     restored it) when the boundary unpins it — each by ``can_drop_device`` then. Returns
     the pages scheduled behind a D2H copy: the unpin drops are a best effort, never counted
-    as progress (a retention loop that counted them would never reach the boundary)."""
-    members = {pool: set(store.state.pools[pool].spaces[checkpoint].members)
-               for pool in store.state.bundles[checkpoint].pools}
+    as progress (a retention loop that counted them would never reach the boundary).
+    ``may``: only pages it accepts (``drop_device``'s ``shared_with``)."""
+    st = store.state
+    members = {pool: {s for s in st.pools[pool].spaces[checkpoint].members
+                      if may is None or may(pool, s)}
+               for pool in st.bundles[checkpoint].pools}
     scheduled = 0
     for tr in store._transfers:
         mine = [s for s in tr.slots if s in members.get(tr.pool, ())]
@@ -152,8 +179,8 @@ def _drop_when_published(store: Txn, checkpoint: int) -> int:
     for pool, slots in _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
                                and pg.pins > 0 and pg.active_refs == 0):
         pages = store.state.pools[pool].pages
-        store._unpin_drops.update((pool, s) for s in slots
-                                  if not transfer_queued(store.state, pool, pages[s]))  # type: ignore[arg-type]
+        store._unpin_drops.update((pool, s) for s in slots if s in members[pool]
+                                  and not transfer_queued(store.state, pool, pages[s]))  # type: ignore[arg-type]
     return scheduled
 
 
@@ -169,15 +196,21 @@ def drops_after_unpin(store: Txn, drops: set[tuple[str, int]]) -> list[ev.Device
     return [ev.DeviceDrop(pool, pack(sorted(slots))) for pool, slots in by_pool.items()]
 
 
-def drop_device(store: Txn, checkpoint: int) -> int:
+def drop_device(store: Txn, checkpoint: int, shared_with: Iterable[int] | None = None
+                ) -> int:
     """Drop the device replicas of a checkpoint's pages that ``can_drop_device`` allows; their
     page groups return to the pool. A page whose D2H copy is still queued (offload before this
-    boundary) drops when that copy publishes, by the same rule then. Returns the pages
-    dropped now plus those scheduled."""
+    boundary) drops when that copy publishes, by the same rule then. ``shared_with``: only
+    the pages no inactive checkpoint outside it holds too (empty: those ``checkpoint``
+    holds alone) — a retention policy demoting one victim leaves the prefix it shares with
+    others, e.g. a system prompt, on the device for them. Returns the pages dropped now plus
+    those scheduled."""
     _checkpoint(store, checkpoint)
-    sel = _select(store, checkpoint, can_drop_device)
+    may = None if shared_with is None else co_held(store, checkpoint, shared_with)
+    sel = [(pool, kept) for pool, slots in _select(store, checkpoint, can_drop_device)
+           if (kept := [s for s in slots if may is None or may(pool, s)])]
     store._emit(*(ev.DeviceDrop(pool, pack(slots)) for pool, slots in sel))
-    return sum(len(slots) for _, slots in sel) + _drop_when_published(store, checkpoint)
+    return sum(len(slots) for _, slots in sel) + _drop_when_published(store, checkpoint, may)
 
 
 def drop_host(store: Txn, bundle: int) -> int:

@@ -320,11 +320,13 @@ class KVStore(StoreCore):
                             as_bool("drop_device", drop_device))
 
     @command
-    def drop_device(self, checkpoint: int) -> int:
+    def drop_device(self, checkpoint: int, *, shared_with: Sequence[int] | None = None) -> int:
         """Free the device page groups of an offloaded inactive checkpoint; pages whose D2H
-        copy is still queued drop when it publishes (at the next boundary)."""
+        copy is still queued drop when it publishes (at the next boundary). ``shared_with``:
+        only pages no other checkpoint outside it holds (empty: the checkpoint's own)."""
         self._usable("drop_device")
-        return host.drop_device(self, as_int("checkpoint", checkpoint))
+        return host.drop_device(self, as_int("checkpoint", checkpoint),
+                                None if shared_with is None else as_ints("shared_with", shared_with))
 
     @command
     def drop_host(self, bundle: int) -> int:
