@@ -3,8 +3,10 @@ exactly where it stopped — instead of refusing the request that needs the room
 
 ``swap_out`` finishes the sequence *retained* at its committed frontier (reason "preempted";
 the speculative lead above it goes with the finish's Trim, §8.2), then, with a host tier,
-offloads the checkpoint with ``drop_device``: its pages are copied to the host arena at the
-next boundary and their device page groups return to the pool when that copy publishes (§5.3).
+offloads the checkpoint and drops its device pages: they are copied to the host arena at the
+next boundary and the device page groups of those it holds alone return to the pool when that
+copy publishes (§5.3). A prefix another checkpoint holds too (a system prompt it continued)
+stays on the device for that one, as vLLM keeps the blocks a preempted request shares.
 Without a host tier, or when the arena cannot place the pages, the checkpoint stays on the
 device (``Swapped.offloaded`` is False): the caller's retention policy may then release it and
 recompute the request later (vLLM's recompute preemption).
@@ -60,7 +62,8 @@ def swap_out(store: KVStore, seq: int, budget: int) -> Swapped:
     offloaded = store.arena is not None
     if offloaded:
         try:
-            store.offload(ck, drop_device=True)
+            store.offload(ck)
+            store.drop_device(ck, shared_with=[])  # its own pages (the module docstring)
         except HostArenaError as exc:  # refused whole: the checkpoint stays on the device
             offloaded = False
             log.info("preemption.device_only", checkpoint=ck, reason=str(exc))

@@ -134,3 +134,29 @@ def test_drops_scheduled_behind_a_queued_offload_keep_shared_pages_too() -> None
     assert device_pages(store, s) == 4 and device_pages(store, leaf) == 4
     store.check_invariants()
     store.close()
+
+
+def test_swap_out_frees_the_sequences_own_pages_not_a_shared_prefix() -> None:
+    """Review finding (a risk): preempting a request that continues a cached system prompt
+    dropped the prompt's device pages with its own, so the next request continuing the
+    prompt had to restore it from the host. As vLLM keeps the blocks a preempted request
+    shares, only the pages the preempted one holds alone are freed."""
+    from ninfer_kv.cache.preemption import swap_in, swap_out
+
+    store = open_store()
+    s = retained(store, 256)
+    seq = store.activate_from(s, 256, 256, 128)
+    store.ensure_mapped(seq, "main", 320)
+    boundary(store)
+    store.commit(seq, "main", 320)
+    free = store.occupancy()["main"]["available"]
+    sw = swap_out(store, seq, 384)
+    boundary(store)
+    assert sw.offloaded and device_pages(store, s) == 4    # 0 before the fix
+    assert device_pages(store, sw.checkpoint) == 4          # the shared prefix only
+    assert store.occupancy()["main"]["available"] == free + 1 + 1  # its page and reservation
+    back = swap_in(store, sw)
+    boundary(store)
+    assert store.space(back).committed == 320
+    store.check_invariants()
+    store.close()
