@@ -198,6 +198,13 @@ class LruRetention:
             for ck in victims:
                 if not self.entries[ck].demoted and self._demote(store, ck):
                     return "demote"
+            # none frees a page of its own: a prefix shared with a checkpoint that is not
+            # demoted (one this policy does not hold, e.g. a swapped-out sequence's; one whose
+            # own pages left already) goes with the first victim holding it, before anything
+            # is released (as every demotion did before shared prefixes were kept)
+            for ck in victims:
+                if not self.entries[ck].demoted and self._demote(store, ck, shared=True):
+                    return "demote"
         # every victim, demoted ones too: a demotion can be partial (a page a running
         # sequence mapped stayed), and a sibling's continuation restores shared pages
         for ck in victims:
@@ -240,14 +247,14 @@ class LruRetention:
             log.warning("retention.forgot_gone", checkpoint=ck)
         return gone
 
-    def _demote(self, store: KVStore, ck: int) -> bool:
+    def _demote(self, store: KVStore, ck: int, shared: bool = False) -> bool:
         """Drop ``ck``'s device pages if every page has a published host replica — but not a
-        page a checkpoint that is not demoted holds too: a prefix it shares with a parent or
-        a system prompt stays on the device for them (review finding: demoting a leaf
-        demoted the higher-priority prefix it continued); that one drops it when its own
-        turn comes. True when this drops some."""
+        page a checkpoint that is not demoted holds too (unless ``shared``): a prefix it
+        shares with a parent or a system prompt stays on the device for them (review
+        finding: demoting a leaf demoted the higher-priority prefix it continued); that one
+        drops it when its own turn comes. True when this drops some."""
         pages, dev, host = residency(store, ck)
-        demoted = [c for c, e in self.entries.items() if e.demoted]
+        demoted = None if shared else [c for c, e in self.entries.items() if e.demoted]
         if dev and host == pages and store.drop_device(ck, shared_with=demoted):
             self.entries[ck].demoted = True
             log.debug("retention.demote", checkpoint=ck)
@@ -356,10 +363,15 @@ class LruRetention:
         return None
 
     def restored(self, ck: int) -> None:
-        """``ck`` was continued (its pages are on the device again)."""
+        """``ck`` was continued: its pages are on the device again, and so are the prefixes of
+        the checkpoints it continues (its ancestors here), which a demotion of ``ck`` may not
+        take along as demoted ones' any more (review finding)."""
         ck = as_int("checkpoint", ck)
-        if ck in self.entries:
+        seen: set[int] = set()
+        while ck in self.entries and ck not in seen:
+            seen.add(ck)
             self.entries[ck].demoted = False
+            ck = self.entries[ck].parent  # type: ignore[assignment]
 
 
 def residency(store: KVStore, ck: int) -> tuple[int, int, int]:

@@ -160,3 +160,77 @@ def test_swap_out_frees_the_sequences_own_pages_not_a_shared_prefix() -> None:
     assert store.space(back).committed == 320
     store.check_invariants()
     store.close()
+
+
+def swapped_continuation(store: KVStore, s: int) -> object:
+    """A sequence continuing ``s`` by one page, swapped out: its own page left the device,
+    the prefix it shares with ``s`` stayed."""
+    from ninfer_kv.cache.preemption import swap_out
+
+    seq = store.activate_from(s, 256, 256, 128)
+    store.ensure_mapped(seq, "main", 320)
+    boundary(store)
+    store.commit(seq, "main", 320)
+    sw = swap_out(store, seq, 384)
+    boundary(store)
+    return sw
+
+
+def test_a_prefix_shared_only_with_holders_not_demoted_is_demoted_before_any_release() -> None:
+    """Review finding on the fix: a swapped-out checkpoint holds the prompt's pages and is
+    not demoted, so no demotion dropped them; make_room released the swapped checkpoint —
+    freeing nothing and losing it (swap_in: UnknownHandle) — before it demoted the prompt."""
+    from ninfer_kv.cache.preemption import swap_in
+
+    store = open_store()
+    s = retained(store, 256)
+    pol = LruRetention()
+    pol.retain(s, [("s", i) for i in range(4)])
+    sw = swapped_continuation(store, s)
+    pol.retain(sw.checkpoint, [("s", i) for i in range(4)] + [("l", 0)], parent=s)
+    free = store.occupancy()["main"]["available"]
+    assert pol.make_room(store) == "demote"
+    boundary(store)
+    assert store.occupancy()["main"]["available"] == free + 4
+    assert set(store.checkpoints()) == {s, sw.checkpoint}
+    back = swap_in(store, sw)                             # restores the prompt's pages too
+    boundary(store)
+    assert store.space(back).committed == 320
+    store.check_invariants()
+    store.close()
+
+
+def test_a_swapped_out_holder_outside_the_policy_does_not_pin_the_prefix() -> None:
+    """The same with the swapped checkpoint held by the engine, not the policy (the
+    simulator's way): the prompt is demoted for an admission instead of it being refused."""
+    store = open_store()
+    s = retained(store, 256)
+    pol = LruRetention()
+    pol.retain(s, [("s", i) for i in range(4)])
+    swapped_continuation(store, s)
+    free = store.occupancy()["main"]["available"]
+    assert pol.make_room(store) == "demote"
+    boundary(store)
+    assert store.occupancy()["main"]["available"] == free + 4 and device_pages(store, s) == 0
+    store.check_invariants()
+    store.close()
+
+
+def test_a_continuation_restoring_a_demoted_parent_clears_its_flag() -> None:
+    """Review finding on the fix: a continuation of the leaf restored the demoted parent's
+    prefix, but the parent stayed flagged, so the leaf's next demotion took the prefix along
+    again as a demoted holder's."""
+    store, pol, s, leaf = system_prompt_and_leaf()
+    assert pol.make_room(store) == pol.make_room(store) == "demote"  # the leaf, then s
+    boundary(store)
+    seq = store.activate_from(leaf, 320, 320, 64)
+    boundary(store)
+    pol.restored(leaf)
+    store.finish(seq)
+    boundary(store)
+    assert not pol.entries[s].demoted and device_pages(store, s) == 4
+    assert pol.make_room(store) == "demote"               # the leaf's own page only
+    boundary(store)
+    assert device_pages(store, s) == 4 and device_pages(store, leaf) == 4
+    store.check_invariants()
+    store.close()
