@@ -131,7 +131,8 @@ TARGETS: tuple[Target, ...] = (
     Target("engine/bundle_table.py", "check", ("BundleTable.check",)),
     Target("engine/host.py", "filter", ("can_drop_device", "replica_valid", "_select", "offload",
                                         "drop_device", "drop_host", "drops_after_publish",
-                                        "drops_after_unpin", "co_held")),
+                                        "drops_after_unpin", "may_drop")),
+    Target("engine/drop_rules.py", "raise"),
     Target("engine/decode.py", "filter", ("writable",)),
     Target("integrations/hf_served.py", "filter", ops=("guard",)),  # what the attention serves
     # the transfer's refusals that in-process tests reach (the rest need two ranks)
@@ -211,6 +212,8 @@ TESTS: list[tuple[str, list[str], list[str]]] = [
                          *ENGINE], MACHINE),
     ("engine/incremental*.py", INCREMENTAL, MACHINE),
     ("engine/host_arena.py", ["tests/engine/test_host_arena.py", *INCREMENTAL, *ENGINE], MACHINE),
+    ("engine/drop_rules.py", ["tests/cache/test_retention_shared.py",
+                              "tests/engine/test_host_tier.py"], MACHINE),
     ("engine/host.py", ["tests/engine/test_host_tier.py", "tests/cache/test_retention_shared.py",
                         *ENGINE], MACHINE),
     ("engine/restart.py", ["tests/engine/test_trust_durability.py", "tests/engine/test_host_tier.py",

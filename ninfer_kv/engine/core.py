@@ -83,7 +83,7 @@ class StoreCore:
         self._freed_rows: dict[str, set[int]] = {}  # pool -> rows left by a finish: unmap
         self._written: dict[tuple[str, int, int], set[int]] = {}  # checked mode (checked.py)
         self._transfers: list[host.Transfer] = []       # D2H copies for the next boundary
-        self._unpin_drops: set[tuple[str, int]] = set()  # (pool, slot): drop at the Unpin
+        self._unpin_drops: dict[tuple[str, int], Any] = {}  # (pool, slot): drop at the Unpin
         self.arena: HostArenaBuffer | None = None
         self._frozen = self._closed = False
         self._failed: str | None = None
@@ -315,7 +315,7 @@ class StoreCore:
                 by_pool.setdefault(pool, []).extend([slot] * n)
             self._emit(*(ev.Unpin(pool, pack(slots)) for pool, slots in by_pool.items()))
         if self._unpin_drops:  # device drops a copy pin held back (host._drop_when_published)
-            drops, self._unpin_drops = self._unpin_drops, set()
+            drops, self._unpin_drops = self._unpin_drops, {}
             self._emit(*host.drops_after_unpin(self, drops))
         if self._freed_rows:
             self._unpublish_rows()

@@ -24,6 +24,7 @@ import structlog
 import torch
 from crc32c import crc32c
 
+from ninfer_kv.engine.drop_rules import along_with, merged, only_along
 from ninfer_kv.engine.layout import PlaneOrder
 from ninfer_kv.engine.pages import NO_PAGE, LogicalKVPage
 from ninfer_kv.engine.state import StoreState
@@ -40,12 +41,13 @@ log = structlog.get_logger(__name__)
 @dataclass(slots=True)
 class Transfer:
     """A D2H copy queued for the next boundary; ``drop``: slots whose device replica is to be
-    dropped once the copy publishes (if ``can_drop_device`` still allows it then)."""
+    dropped once the copy publishes, if ``may_drop`` still allows it then — each with the
+    checkpoints that may lose it along (``drop_device``'s ``shared_with``; None: any)."""
 
     pool: str
     slots: list[int]
     offsets: list[int]
-    drop: set[int]
+    drop: dict[int, frozenset[int] | None]
 
 
 def replica_valid(page: LogicalKVPage, columns: int) -> bool:
@@ -126,7 +128,7 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
         offs = offsets[i:i + len(slots)]
         i += len(slots)
         events.append(ev.HostReserve(pool, pack(slots), pack_i64(offs)))
-        transfers.append(Transfer(pool, slots, offs, set()))
+        transfers.append(Transfer(pool, slots, offs, {}))
     store._emit(*events)
     store._transfers.extend(transfers)  # after the events, as every command's queues
     if drop_device:  # every queued copy of its pages, this one's or an earlier offload's
@@ -134,64 +136,54 @@ def offload(store: Txn, checkpoint: int, drop_device: bool = False) -> int:
     return len(sizes)
 
 
-def co_held(store: Txn, checkpoint: int, shared_with: Iterable[int]
-            ) -> Callable[[str, int], bool]:
-    """Whether page (pool, slot) of ``checkpoint`` has no inactive holder outside
-    ``checkpoint`` and ``shared_with`` (inactive checkpoints each, else ``UnknownHandle``,
-    before anything changes): ``drop_device``'s filter for ``shared_with``."""
-    st = store.state
-    holders: dict[tuple[str, int], int] = {}
-    for c in {checkpoint, *shared_with}:  # plain ints (``KVStore.drop_device``'s as_ints)
-        b = st.bundles.get(c)
-        if b is None or b.active:
-            raise UnknownHandle(f"drop_device: shared_with names {c}, which is not an inactive "
-                                "checkpoint")
-        for pool in b.pools:
-            for s in st.pools[pool].spaces[c].members:
-                holders[pool, s] = holders.get((pool, s), 0) + 1
-
-    def only_these(pool: str, slot: int) -> bool:
-        pg = st.pools[pool].pages[slot]
-        assert pg is not None  # a checkpoint's member is a live page (§14)
-        return pg.refs - pg.active_refs <= holders.get((pool, slot), 0)
-    return only_these
+def may_drop(st: StoreState, pool: str, slot: int, along: frozenset[int] | None,
+             members: dict[tuple[int, str], set[int]]) -> bool:
+    """``can_drop_device``, and ``only_along``."""
+    pg = st.pools[pool].pages[slot]
+    return pg is not None and can_drop_device(pg) and only_along(st, pool, slot, along,
+                                                                  members)
 
 
 def _drop_when_published(store: Txn, checkpoint: int,
-                         may: Callable[[str, int], bool] | None = None) -> int:
+                         along: frozenset[int] | None = None) -> int:
     """Schedule the device replicas of ``checkpoint``'s pages that a queued copy pins: those
     whose D2H copy is queued drop when that copy publishes, and every other pinned one (a
     restore or COW source, e.g. a sequence swapped out again in the interval ``swap_in``
-    restored it) when the boundary unpins it — each by ``can_drop_device`` then. Returns
-    the pages scheduled behind a D2H copy: the unpin drops are a best effort, never counted
-    as progress (a retention loop that counted them would never reach the boundary).
-    ``may``: only pages it accepts (``drop_device``'s ``shared_with``)."""
+    restored it) when the boundary unpins it — each by ``may_drop`` then, with ``along``
+    (``drop_device``'s). Returns the pages newly scheduled behind a D2H copy: the unpin
+    drops are a best effort, never counted as progress (a retention loop that counted them,
+    or a page scheduled twice, would never reach the boundary)."""
     st = store.state
+    cache: dict[tuple[int, str], set[int]] = {}
     members = {pool: {s for s in st.pools[pool].spaces[checkpoint].members
-                      if may is None or may(pool, s)}
+                      if only_along(st, pool, s, along, cache)}  # shared now: not scheduled
                for pool in st.bundles[checkpoint].pools}
     scheduled = 0
     for tr in store._transfers:
-        mine = [s for s in tr.slots if s in members.get(tr.pool, ())]
-        if mine:
-            tr.drop.update(mine)
-            scheduled += len(mine)
+        for s in tr.slots:
+            if s in members.get(tr.pool, ()):
+                known = s in tr.drop
+                scheduled += not known
+                tr.drop[s] = merged(tr.drop.get(s), along, known)
     for pool, slots in _select(store, checkpoint, lambda pg: pg.device != NO_PAGE
                                and pg.pins > 0 and pg.active_refs == 0):
-        pages = store.state.pools[pool].pages
-        store._unpin_drops.update((pool, s) for s in slots if s in members[pool]
-                                  and not transfer_queued(store.state, pool, pages[s]))  # type: ignore[arg-type]
+        pages = st.pools[pool].pages
+        for s in slots:
+            if s in members[pool] and not transfer_queued(st, pool, pages[s]):  # type: ignore[arg-type]
+                d = store._unpin_drops
+                d[pool, s] = merged(d.get((pool, s)), along, (pool, s) in d)
     return scheduled
 
 
-def drops_after_unpin(store: Txn, drops: set[tuple[str, int]]) -> list[ev.DeviceDrop]:
+def drops_after_unpin(store: Txn, drops: dict[tuple[str, int], frozenset[int] | None]
+                      ) -> list[ev.DeviceDrop]:
     """DeviceDrop events for pages ``_drop_when_published`` scheduled at the boundary's
-    Unpin, by ``can_drop_device`` evaluated now (a page an active fork maps meanwhile, or
-    whose replica went stale, is kept)."""
+    Unpin, by ``may_drop`` evaluated now (a page an active fork maps meanwhile, whose replica
+    went stale, or that another checkpoint came to share, is kept)."""
     by_pool: dict[str, set[int]] = {}
-    for pool, s in drops:
-        pg = store.state.pools[pool].pages[s]
-        if pg is not None and can_drop_device(pg):
+    members: dict[tuple[int, str], set[int]] = {}
+    for (pool, s), along in drops.items():
+        if may_drop(store.state, pool, s, along, members):
             by_pool.setdefault(pool, set()).add(s)
     return [ev.DeviceDrop(pool, pack(sorted(slots))) for pool, slots in by_pool.items()]
 
@@ -206,11 +198,12 @@ def drop_device(store: Txn, checkpoint: int, shared_with: Iterable[int] | None =
     others, e.g. a system prompt, on the device for them. Returns the pages dropped now plus
     those scheduled."""
     _checkpoint(store, checkpoint)
-    may = None if shared_with is None else co_held(store, checkpoint, shared_with)
+    along = None if shared_with is None else along_with(store, checkpoint, shared_with)
+    st, members = store.state, {}
     sel = [(pool, kept) for pool, slots in _select(store, checkpoint, can_drop_device)
-           if (kept := [s for s in slots if may is None or may(pool, s)])]
+           if (kept := [s for s in slots if may_drop(st, pool, s, along, members)])]
     store._emit(*(ev.DeviceDrop(pool, pack(slots)) for pool, slots in sel))
-    return sum(len(slots) for _, slots in sel) + _drop_when_published(store, checkpoint, may)
+    return sum(len(slots) for _, slots in sel) + _drop_when_published(store, checkpoint, along)
 
 
 def drop_host(store: Txn, bundle: int) -> int:
@@ -316,13 +309,14 @@ def run_transfers(store: Txn, transfers: list[Transfer]) -> list[ev.HostPublish]
 
 
 def drops_after_publish(store: Txn, transfers: list[Transfer]) -> list[ev.DeviceDrop]:
-    """DeviceDrop events for the transfers' ``drop`` slots, by ``can_drop_device`` evaluated
-    now (after the publish was applied): a page an active fork maps meanwhile is kept."""
+    """DeviceDrop events for the transfers' ``drop`` slots, by ``may_drop`` evaluated now
+    (after the publish was applied): a page an active fork maps meanwhile, or that another
+    checkpoint came to share (outside its ``along``), is kept."""
     out = []
+    members: dict[tuple[int, str], set[int]] = {}
     for tr in transfers:
-        p = store.state.pools[tr.pool]
-        slots = sorted(s for s in tr.drop
-                       if (pg := p.pages[s]) is not None and can_drop_device(pg))
+        slots = sorted(s for s, along in tr.drop.items()
+                       if may_drop(store.state, tr.pool, s, along, members))
         if slots:
             out.append(ev.DeviceDrop(tr.pool, pack(slots)))
     return out

@@ -42,7 +42,7 @@ class Txn(Protocol):
     _journaled: bool           # opened with a journal (still true after close)
     _effects: list[Any]        # ev.CopyTail | ev.DeviceRestore, run in emission order
     _transfers: list[Any]      # host.Transfer, run after the table writes
-    _unpin_drops: set[tuple[str, int]]  # (pool, slot) to drop when the boundary unpins it
+    _unpin_drops: dict[tuple[str, int], Any]  # (pool, slot) to drop when unpinned: its along
     _touched: dict[str, dict[int, int]]  # pool -> seq -> first block to publish
     _unwritten: dict[str, dict[int, int]]  # the same since the last unit ran
     _freed_rows: dict[str, set[int]]     # pool -> rows a finish left: unmapped at the boundary

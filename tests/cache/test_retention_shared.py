@@ -234,3 +234,41 @@ def test_a_continuation_restoring_a_demoted_parent_clears_its_flag() -> None:
     assert device_pages(store, s) == 4 and device_pages(store, leaf) == 4
     store.check_invariants()
     store.close()
+
+
+def test_a_page_that_comes_to_be_shared_before_its_drop_publishes_stays() -> None:
+    """Review finding: ``shared_with`` was judged when the drop was scheduled; a checkpoint
+    that came to share the page before the copy published (a Fork of the swapped-out
+    request, retained) lost its device residency. It is judged again at the publish."""
+    from ninfer_kv.cache.preemption import swap_out
+
+    store = open_store()
+    seq = store.activate(320, 64)
+    store.ensure_mapped(seq, "main", 320)
+    boundary(store)
+    store.commit(seq, "main", 320)
+    sw = swap_out(store, seq, 384)                       # all 5 pages its own: scheduled
+    fork = store.activate_from(sw.checkpoint, 256, 256, 1)  # shares 4 of them, before the copy
+    kept = store.finish(fork, retain=True)
+    boundary(store)
+    assert device_pages(store, kept) == 4                 # 0 before the fix
+    assert device_pages(store, sw.checkpoint) == 4        # its own 5th page went
+    store.check_invariants()
+    store.close()
+
+
+def test_a_drop_scheduled_twice_counts_once() -> None:
+    """Review nit: a second drop_device in the interval counted the pages the first had
+    scheduled behind the queued copy again (a loop counting it as progress would spin)."""
+    store = open_store()
+    s = retained(store, 256)
+    leaf = retained(store, 320, source=s, at=256)
+    store.offload(leaf)
+    assert store.drop_device(leaf, shared_with=[]) == 1  # its own page
+    assert store.drop_device(leaf, shared_with=[]) == 0
+    assert store.drop_device(leaf) == 4                   # the shared ones, newly scheduled
+    assert store.drop_device(leaf) == 0
+    boundary(store)                                       # the unfiltered call: all of them
+    assert device_pages(store, leaf) == 0 and device_pages(store, s) == 0
+    store.check_invariants()
+    store.close()
